@@ -1,0 +1,84 @@
+"""Test helpers: a clock you step by hand, and the ``manual_clock`` fixture.
+
+The package registers this module as a pytest plugin, so once bucketlimit is
+installed every test can ask for ``manual_clock``::
+
+    def test_refill(manual_clock):
+        limiter = TokenBucketLimiter(1, 1, clock=manual_clock)
+        assert limiter.allow("k")
+        assert not limiter.allow("k")
+        manual_clock.advance(1)
+        assert limiter.allow("k")
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+__all__ = ["ManualClock", "manual_clock"]
+
+_NS = 1_000_000_000
+
+
+def _to_ns(seconds: float, what: str) -> int:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"{what} must be an int or float, got {type(seconds).__name__}")
+    if isinstance(seconds, float) and not math.isfinite(seconds):
+        raise ValueError(f"{what} must be finite, got {seconds!r}")
+    return round(seconds * _NS) if isinstance(seconds, float) else seconds * _NS
+
+
+class ManualClock:
+    """A clock that moves only when told to; call it to read seconds.
+
+    Time is kept in whole nanoseconds, so any number of small steps adds up
+    exactly (``advance(0.1)`` ten times is exactly one second).
+    """
+
+    __slots__ = ("_lock", "_ns")
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._ns = _to_ns(start, "start")
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self._ns / _NS
+
+    @property
+    def now(self) -> float:
+        """The current reading, in seconds."""
+        return self._ns / _NS
+
+    def advance(self, seconds: float) -> None:
+        """Moves the clock forward; a negative step is a ``ValueError``."""
+        step = _to_ns(seconds, "seconds")
+        if step < 0:
+            raise ValueError(f"a clock cannot go back: advance({seconds!r})")
+        with self._lock:
+            self._ns += step
+
+    def set(self, seconds: float) -> None:
+        """Moves the clock to ``seconds``; going backwards is a ``ValueError``."""
+        target = _to_ns(seconds, "seconds")
+        with self._lock:
+            if target < self._ns:
+                raise ValueError(
+                    f"a clock cannot go back: set({seconds!r}) while now is {self.now!r}"
+                )
+            self._ns = target
+
+    def __repr__(self) -> str:
+        return f"ManualClock(now={self.now!r})"
+
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover - pytest is only needed for the fixture
+    pass
+else:
+
+    @pytest.fixture
+    def manual_clock() -> ManualClock:
+        """A fresh ``ManualClock`` starting at 0.0."""
+        return ManualClock()

@@ -1,0 +1,32 @@
+//! bucketlimit's native core: an exact token-bucket limiter.
+//!
+//! `rate`, `bucket`, `registry`, `clock` and `error` are plain Rust with their
+//! own tests; `py` is the thin `PyO3` layer; this file registers the module.
+
+pub mod bucket;
+pub mod clock;
+pub mod error;
+mod py;
+pub mod rate;
+pub mod registry;
+
+use pyo3::prelude::*;
+
+#[pymodule(gil_used = false)]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // Rust `log` records go to the Python logger "bucketlimit". Nothing is
+    // logged per decision, so levels are looked up each time (no cache to
+    // go stale when the application configures logging after import).
+    // Installing fails only if this module's logger is already set; ignore.
+    let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?.install();
+    m.add_class::<py::Decision>()?;
+    m.add_class::<py::TokenBucketLimiter>()?;
+    m.add_function(wrap_pyfunction!(py::allow_all, m)?)?;
+    // For the Python layer (Redis limiter): the same rules, not a copy.
+    m.add_function(wrap_pyfunction!(py::exact_units, m)?)?;
+    m.add_function(wrap_pyfunction!(py::clock_to_micros, m)?)?;
+    m.add_function(wrap_pyfunction!(py::check_key, m)?)?;
+    m.add("MAX_KEY_BYTES", error::MAX_KEY_BYTES)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

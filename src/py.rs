@@ -1,0 +1,490 @@
+//! The binding: converts Python values to core values and core errors to
+//! Python exceptions, and nothing else. Types are checked here (`TypeError`);
+//! values are checked by the core (`ValueError`, via one `From` impl).
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyString, PyTuple};
+
+use crate::bucket::{self, Wait};
+use crate::clock;
+use crate::error::Error;
+use crate::rate::{Config, Number};
+use crate::registry::{self, Check, Registry};
+
+impl From<Error> for PyErr {
+    fn from(error: Error) -> PyErr {
+        match error {
+            Error::Capacity(_)
+            | Error::Rate(_)
+            | Error::Per(_)
+            | Error::OutOfRange { .. }
+            | Error::Cost(_)
+            | Error::CostAboveCapacity { .. }
+            | Error::EmptyKey
+            | Error::KeyTooLong(_)
+            | Error::Clock(_)
+            | Error::DuplicateCheck(_)
+            | Error::NoChecks => PyValueError::new_err(error.to_string()),
+        }
+    }
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+}
+
+fn repr(obj: &Bound<'_, PyAny>) -> String {
+    obj.repr()
+        .map_or_else(|_| "?".to_owned(), |r| r.to_string())
+}
+
+/// An integer as the bad-input table defines it: an `int` or anything with
+/// `__index__`, never a `bool` or a `float`. Values beyond i128 are a
+/// `ValueError` (never `PyO3`'s `OverflowError`).
+fn integer(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
+    if obj.is_instance_of::<PyBool>() || obj.is_instance_of::<PyFloat>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be an int, got {} {}",
+            type_name(obj),
+            repr(obj)
+        )));
+    }
+    match obj.extract::<i64>() {
+        Ok(i) => Ok(i128::from(i)),
+        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+            obj.extract::<i128>().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "{name} {} is beyond the exact range of the limiter",
+                    repr(obj)
+                ))
+            })
+        }
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{name} must be an int, got {}",
+            type_name(obj)
+        ))),
+    }
+}
+
+/// A rate or `per`: an int (or `__index__`) or a float, never a `bool`.
+fn number(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Number> {
+    if let Ok(float) = obj.cast::<PyFloat>() {
+        return Ok(Number::Float(float.value()));
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be an int or float, got bool"
+        )));
+    }
+    match integer(obj, name) {
+        Ok(i) => Ok(Number::Int(i)),
+        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Err(PyTypeError::new_err(format!(
+            "{name} must be an int or float, got {}",
+            type_name(obj)
+        ))),
+        Err(e) => Err(e),
+    }
+}
+
+/// A clock's reading, converted to microseconds.
+fn clock_micros(value: &Bound<'_, PyAny>) -> PyResult<i64> {
+    if let Ok(float) = value.cast::<PyFloat>() {
+        return Ok(clock::float_seconds_to_micros(float.value())?);
+    }
+    match integer(value, "clock") {
+        Ok(seconds) => Ok(clock::int_seconds_to_micros(seconds)?),
+        Err(e) if e.is_instance_of::<PyTypeError>(value.py()) => {
+            Err(PyTypeError::new_err(format!(
+                "clock must return seconds as an int or float, got {}",
+                type_name(value)
+            )))
+        }
+        Err(_) => Err(Error::Clock(repr(value)).into()),
+    }
+}
+
+/// A cost argument: checked for type here, for value by the core.
+pub struct Cost(i128);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Cost {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Cost> {
+        integer(&obj, "cost").map(Cost)
+    }
+}
+
+/// The `per` argument.
+pub struct Per(Number);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Per {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Per> {
+        number(&obj, "per").map(Per)
+    }
+}
+
+/// A key argument: a `str` (checked here) that encodes as UTF-8.
+pub struct Key<'a, 'py>(Borrowed<'a, 'py, PyString>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Key<'a, 'py> {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Key<'a, 'py>> {
+        match obj.cast::<PyString>() {
+            Ok(key) => Ok(Key(key)),
+            Err(_) => Err(PyTypeError::new_err(format!(
+                "key must be a str, got {}",
+                type_name(&obj)
+            ))),
+        }
+    }
+}
+
+impl Key<'_, '_> {
+    fn as_str(&self) -> PyResult<&str> {
+        self.0
+            .to_str()
+            .map_err(|e| PyValueError::new_err(format!("key is not encodable as UTF-8: {e}")))
+    }
+}
+
+/// Seconds as a float; `inf` when the wait never ends.
+fn seconds(wait: Wait) -> f64 {
+    wait.map_or(f64::INFINITY, |micros| micros as f64 / 1_000_000.0)
+}
+
+/// The answer to one request: immutable, truthy when allowed.
+#[pyclass(frozen, freelist = 64, module = "bucketlimit._core")]
+pub struct Decision {
+    #[pyo3(get)]
+    allowed: bool,
+    #[pyo3(get)]
+    retry_after: f64,
+    #[pyo3(get)]
+    remaining: u64,
+    #[pyo3(get)]
+    reset_after: f64,
+    #[pyo3(get)]
+    limit: u64,
+    #[pyo3(get)]
+    degraded: bool,
+}
+
+impl From<bucket::Decision> for Decision {
+    fn from(d: bucket::Decision) -> Decision {
+        Decision {
+            allowed: d.allowed,
+            retry_after: seconds(d.retry_after),
+            remaining: d.remaining,
+            reset_after: seconds(d.reset_after),
+            limit: d.limit,
+            degraded: false,
+        }
+    }
+}
+
+impl Decision {
+    fn fields(&self) -> (bool, f64, u64, f64, u64, bool) {
+        (
+            self.allowed,
+            self.retry_after,
+            self.remaining,
+            self.reset_after,
+            self.limit,
+            self.degraded,
+        )
+    }
+}
+
+#[pymethods]
+impl Decision {
+    #[new]
+    #[pyo3(signature = (allowed, retry_after, remaining, reset_after, limit, degraded = false))]
+    fn new(
+        allowed: bool,
+        retry_after: f64,
+        remaining: u64,
+        reset_after: f64,
+        limit: u64,
+        degraded: bool,
+    ) -> Decision {
+        Decision {
+            allowed,
+            retry_after,
+            remaining,
+            reset_after,
+            limit,
+            degraded,
+        }
+    }
+
+    fn __bool__(&self) -> bool {
+        self.allowed
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let float = |x: f64| repr(PyFloat::new(py, x).as_any());
+        let title = |b: bool| if b { "True" } else { "False" };
+        format!(
+            "Decision(allowed={}, retry_after={}, remaining={}, reset_after={}, limit={}, degraded={})",
+            title(self.allowed),
+            float(self.retry_after),
+            self.remaining,
+            float(self.reset_after),
+            self.limit,
+            title(self.degraded)
+        )
+    }
+
+    fn __eq__(&self, other: &Bound<'_, Decision>) -> bool {
+        self.fields() == other.get().fields()
+    }
+
+    fn __hash__(&self) -> u64 {
+        let mut h = DefaultHasher::new();
+        (
+            self.allowed,
+            self.retry_after.to_bits(),
+            self.remaining,
+            self.reset_after.to_bits(),
+            self.limit,
+            self.degraded,
+        )
+            .hash(&mut h);
+        // Python reserves -1; keep the hash in the positive range.
+        h.finish() >> 1
+    }
+
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Decision>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let args = slf.get().fields().into_pyobject(slf.py())?;
+        Ok((slf.get_type().into_any(), args))
+    }
+}
+
+/// An in-process token-bucket limiter: one bucket per key.
+#[pyclass(frozen, module = "bucketlimit._core")]
+pub struct TokenBucketLimiter {
+    registry: Registry,
+    clock: Option<Py<PyAny>>,
+    per: f64,
+    max_keys: Option<usize>,
+}
+
+impl TokenBucketLimiter {
+    /// Reads the clock. Always before the registry lock is taken: the clock
+    /// may be Python code, which must never run under the lock.
+    #[inline]
+    fn now(&self, py: Python<'_>) -> PyResult<i64> {
+        match &self.clock {
+            None => Ok(clock::monotonic_micros()),
+            Some(clock) => clock_micros(&clock.bind(py).call0()?),
+        }
+    }
+
+    fn config(&self) -> &Config {
+        self.registry.config()
+    }
+}
+
+#[pymethods]
+impl TokenBucketLimiter {
+    #[new]
+    #[pyo3(signature = (capacity, rate, clock = None, *, per = Per(Number::Int(1)), max_keys = None))]
+    fn new(
+        capacity: &Bound<'_, PyAny>,
+        rate: &Bound<'_, PyAny>,
+        clock: Option<Bound<'_, PyAny>>,
+        per: Per,
+        max_keys: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<TokenBucketLimiter> {
+        let capacity = integer(capacity, "capacity")?;
+        let rate = number(rate, "rate")?;
+        if let Some(clock) = &clock {
+            if !clock.is_callable() {
+                return Err(PyTypeError::new_err(format!(
+                    "clock must be a zero-argument callable returning seconds, got {}",
+                    type_name(clock)
+                )));
+            }
+        }
+        let max_keys = match max_keys {
+            None => None,
+            Some(obj) => {
+                let n = integer(obj, "max_keys")?;
+                if n < 1 {
+                    return Err(PyValueError::new_err(format!(
+                        "max_keys must be >= 1 or None, got {n}"
+                    )));
+                }
+                Some(usize::try_from(n).unwrap_or(usize::MAX))
+            }
+        };
+        let per_seconds = match per.0 {
+            Number::Int(i) => i as f64,
+            Number::Float(x) => x,
+        };
+        let config = Config::new(capacity, rate, per.0)?;
+        Ok(TokenBucketLimiter {
+            registry: Registry::new(config, max_keys),
+            clock: clock.map(Bound::unbind),
+            per: per_seconds,
+            max_keys,
+        })
+    }
+
+    /// Decides and spends.
+    #[pyo3(signature = (key, cost = Cost(1)))]
+    fn allow(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<Decision> {
+        let now = self.now(py)?;
+        Ok(self.registry.allow(key.as_str()?, cost.0, now)?.into())
+    }
+
+    /// What `allow` would answer now; changes nothing.
+    #[pyo3(signature = (key, cost = Cost(1)))]
+    fn peek(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<Decision> {
+        let now = self.now(py)?;
+        Ok(self.registry.peek(key.as_str()?, cost.0, now)?.into())
+    }
+
+    /// Gives back tokens reserved but not used; never above capacity.
+    fn refund(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<()> {
+        let now = self.now(py)?;
+        Ok(self.registry.refund(key.as_str()?, cost.0, now)?)
+    }
+
+    /// Makes the key's bucket full again.
+    fn reset(&self, key: Key<'_, '_>) -> PyResult<()> {
+        Ok(self.registry.reset(key.as_str()?)?)
+    }
+
+    /// Forgets every bucket.
+    fn clear(&self) {
+        self.registry.clear();
+    }
+
+    fn __len__(&self) -> usize {
+        self.registry.len()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.registry.stats();
+        let dict = PyDict::new(py);
+        dict.set_item("allowed", s.allowed)?;
+        dict.set_item("refused", s.refused)?;
+        dict.set_item("keys", s.keys)?;
+        dict.set_item("evicted", s.evicted)?;
+        dict.set_item("refused_new_keys", s.refused_new_keys)?;
+        Ok(dict)
+    }
+
+    #[getter]
+    fn capacity(&self) -> u64 {
+        self.config().capacity
+    }
+
+    /// Tokens per second.
+    #[getter]
+    fn rate(&self) -> f64 {
+        self.config().rate_per_second()
+    }
+
+    #[getter]
+    fn per(&self) -> f64 {
+        self.per
+    }
+
+    #[getter]
+    fn max_keys(&self) -> Option<usize> {
+        self.max_keys
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "TokenBucketLimiter(capacity={}, rate={:?}, per={:?}, max_keys={})",
+            self.config().capacity,
+            self.rate() * self.per,
+            self.per,
+            self.max_keys
+                .map_or_else(|| "None".to_owned(), |n| n.to_string())
+        )
+    }
+}
+
+/// Spends `cost` from every `(limiter, key)` only if all of them allow.
+#[pyfunction]
+#[pyo3(signature = (checks, cost = Cost(1)))]
+pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyResult<Decision> {
+    let mut pairs: Vec<(Bound<'_, TokenBucketLimiter>, Bound<'_, PyAny>)> = Vec::new();
+    for item in checks.try_iter()? {
+        let item = item?;
+        let (limiter, key): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+            item.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "allow_all takes a sequence of (limiter, key) pairs, got {}",
+                    type_name(&item)
+                ))
+            })?;
+        let limiter = limiter.cast_into::<TokenBucketLimiter>().map_err(|e| {
+            PyTypeError::new_err(format!(
+                "allow_all takes TokenBucketLimiter instances here, got {}",
+                type_name(e.into_inner().as_any())
+            ))
+        })?;
+        pairs.push((limiter, key));
+    }
+    // Every clock is read before any lock is taken.
+    let keys = pairs
+        .iter()
+        .map(|(_, key)| Key::extract(key.as_borrowed()))
+        .collect::<PyResult<Vec<_>>>()?;
+    let mut resolved = Vec::with_capacity(pairs.len());
+    for ((limiter, _), key) in pairs.iter().zip(&keys) {
+        let limiter = limiter.get();
+        resolved.push((limiter, key.as_str()?, limiter.now(py)?));
+    }
+    let checks: Vec<Check<'_>> = resolved
+        .iter()
+        .map(|&(limiter, key, now)| Check {
+            registry: &limiter.registry,
+            key,
+            now,
+        })
+        .collect();
+    Ok(registry::allow_all(&checks, cost.0)?.into())
+}
+
+/// The exact integer configuration the Redis script uses:
+/// `(capacity, units refilled per microsecond, units per token)`.
+/// Validates exactly as `TokenBucketLimiter` does; one source of truth.
+#[pyfunction]
+#[pyo3(signature = (capacity, rate, *, per = Per(Number::Int(1))))]
+pub fn exact_units(
+    capacity: &Bound<'_, PyAny>,
+    rate: &Bound<'_, PyAny>,
+    per: Per,
+) -> PyResult<(u64, u128, u128)> {
+    let config = Config::new(integer(capacity, "capacity")?, number(rate, "rate")?, per.0)?;
+    Ok((config.capacity, config.per_micro, config.unit))
+}
+
+/// A clock reading in whole microseconds, by the limiter's own rule.
+#[pyfunction]
+pub fn clock_to_micros(seconds: &Bound<'_, PyAny>) -> PyResult<i64> {
+    clock_micros(seconds)
+}
+
+/// Checks a key as the limiter does and returns it.
+#[pyfunction]
+pub fn check_key<'py>(key: Key<'_, 'py>) -> PyResult<Bound<'py, PyString>> {
+    crate::error::check_key(key.as_str()?)?;
+    Ok(key.0.to_owned())
+}

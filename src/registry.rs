@@ -1,0 +1,635 @@
+//! Key -> bucket table behind one lock: lookup, incremental eviction,
+//! `max_keys`, stats, and `allow_all` across several tables. No Python.
+//!
+//! Layout: buckets live in a dense `Vec<Entry>`; a `HashTable<u32>` maps a
+//! key's hash to its position. The dense vector makes eviction incremental
+//! (a cursor walks it a few entries per call) and keeps an entry at 48 bytes
+//! with short keys stored inline.
+
+use std::hash::BuildHasher;
+
+use compact_str::CompactString;
+use hashbrown::{DefaultHashBuilder, HashTable};
+use parking_lot::{Mutex, MutexGuard};
+
+use crate::bucket::{Bucket, Decision, Wait};
+use crate::error::{check_key, Error};
+use crate::rate::Config;
+
+/// Entries examined for eviction by each call that may add or spend.
+const SWEEP_PER_CALL: usize = 4;
+/// Entries examined for a full (evictable) bucket when `max_keys` is reached.
+const ROOM_SEARCH: usize = 64;
+
+struct Entry {
+    key: CompactString,
+    bucket: Bucket,
+}
+
+/// Counters reported by `stats()`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub allowed: u64,
+    pub refused: u64,
+    pub keys: u64,
+    pub evicted: u64,
+    pub refused_new_keys: u64,
+}
+
+struct Table {
+    index: HashTable<u32>,
+    entries: Vec<Entry>,
+    /// Next entry the sweeper looks at.
+    cursor: usize,
+    /// The latest time any call has seen: the table's time never goes back,
+    /// so a full bucket may be dropped without changing any later answer.
+    latest: i64,
+    stats: Stats,
+    /// Set while new keys are being refused, so the warning is logged once
+    /// per episode and not per call.
+    refusing_new: bool,
+}
+
+/// Where a key's bucket is, or what happens if it is new.
+enum Slot {
+    Held(usize),
+    New,
+    /// New, but the table is full of buckets that are not full.
+    NoRoom(Wait),
+}
+
+impl Table {
+    fn new() -> Table {
+        Table {
+            index: HashTable::new(),
+            entries: Vec::new(),
+            cursor: 0,
+            latest: i64::MIN,
+            stats: Stats::default(),
+            refusing_new: false,
+        }
+    }
+
+    /// Records a clock reading and returns the table's time.
+    fn observe(&mut self, now: i64) -> i64 {
+        self.latest = self.latest.max(now);
+        self.latest
+    }
+
+    fn find(&self, hash: u64, key: &str) -> Option<usize> {
+        let entries = &self.entries;
+        self.index
+            .find(hash, |&i| entries[i as usize].key == key)
+            .map(|&i| i as usize)
+    }
+
+    fn insert(&mut self, hasher: &DefaultHashBuilder, hash: u64, key: &str, bucket: Bucket) {
+        let position = u32::try_from(self.entries.len()).expect("at most u32::MAX keys are held");
+        self.entries.push(Entry {
+            key: CompactString::new(key),
+            bucket,
+        });
+        let entries = &self.entries;
+        self.index.insert_unique(hash, position, |&i| {
+            hasher.hash_one(entries[i as usize].key.as_str())
+        });
+    }
+
+    /// Removes the entry at `position`; the last entry takes its place.
+    fn remove_at(&mut self, hasher: &DefaultHashBuilder, position: usize) {
+        let hash = hasher.hash_one(self.entries[position].key.as_str());
+        let Ok(found) = self.index.find_entry(hash, |&i| i as usize == position) else {
+            unreachable!("every entry is indexed");
+        };
+        found.remove();
+        let last = self.entries.len() - 1;
+        self.entries.swap_remove(position);
+        if position != last {
+            let moved = hasher.hash_one(self.entries[position].key.as_str());
+            let slot = self
+                .index
+                .find_mut(moved, |&i| i as usize == last)
+                .expect("every entry is indexed");
+            *slot = position as u32;
+        }
+    }
+
+    /// True when the entry at `position` is full at the table's time.
+    fn is_full_at(&self, config: &Config, position: usize) -> bool {
+        self.entries[position]
+            .bucket
+            .refilled(config, self.latest)
+            .is_full(config)
+    }
+
+    /// Looks at up to `budget` entries from the cursor and drops the full ones.
+    fn sweep(&mut self, config: &Config, hasher: &DefaultHashBuilder, budget: usize) {
+        for _ in 0..budget.min(self.entries.len()) {
+            if self.cursor >= self.entries.len() {
+                self.cursor = 0;
+            }
+            if self.is_full_at(config, self.cursor) {
+                self.remove_at(hasher, self.cursor);
+                self.stats.evicted += 1;
+            } else {
+                self.cursor += 1;
+            }
+        }
+    }
+
+    /// Finds a bucket full at `now` among the next [`ROOM_SEARCH`] entries.
+    /// With `evict`, drops it and returns `Ok`; without, only says whether
+    /// there is one. `Err` carries the soonest time to full among those
+    /// examined.
+    fn find_room(
+        &mut self,
+        config: &Config,
+        hasher: &DefaultHashBuilder,
+        now: i64,
+        evict: bool,
+    ) -> Result<(), Wait> {
+        let len = self.entries.len();
+        let mut soonest: Wait = None;
+        for step in 0..ROOM_SEARCH.min(len) {
+            let position = (self.cursor + step) % len;
+            let bucket = self.entries[position].bucket.refilled(config, now);
+            if bucket.is_full(config) {
+                if evict {
+                    self.remove_at(hasher, position);
+                    self.stats.evicted += 1;
+                }
+                return Ok(());
+            }
+            if let Some(wait) = bucket.until_full(config) {
+                soonest = Some(soonest.map_or(wait, |s| s.min(wait)));
+            }
+        }
+        Err(soonest)
+    }
+
+    /// Where `key`'s bucket is as of `now`; with `evict`, may drop a full
+    /// bucket to make room for it.
+    #[allow(clippy::too_many_arguments)] // one call site per public method
+    fn slot(
+        &mut self,
+        config: &Config,
+        hasher: &DefaultHashBuilder,
+        max_keys: usize,
+        hash: u64,
+        key: &str,
+        now: i64,
+        evict: bool,
+    ) -> Slot {
+        if let Some(position) = self.find(hash, key) {
+            return Slot::Held(position);
+        }
+        if self.entries.len() < max_keys {
+            return Slot::New;
+        }
+        match self.find_room(config, hasher, now, evict) {
+            Ok(()) => Slot::New,
+            Err(wait) => Slot::NoRoom(wait),
+        }
+    }
+
+    fn count(&mut self, allowed: bool) {
+        if allowed {
+            self.stats.allowed += 1;
+        } else {
+            self.stats.refused += 1;
+        }
+    }
+
+    /// Counts a refused new key; true when this starts an episode to log.
+    fn count_no_room(&mut self) -> bool {
+        self.stats.refused_new_keys += 1;
+        !std::mem::replace(&mut self.refusing_new, true)
+    }
+}
+
+/// The refusal given to a new key when there is no room for its bucket.
+fn no_room(config: &Config, wait: Wait) -> Decision {
+    Decision {
+        allowed: false,
+        retry_after: wait,
+        remaining: 0,
+        reset_after: wait,
+        limit: config.capacity,
+    }
+}
+
+/// One limiter's buckets.
+pub struct Registry {
+    config: Config,
+    max_keys: usize,
+    hasher: DefaultHashBuilder,
+    table: Mutex<Table>,
+}
+
+/// One `(limiter, key)` of an [`allow_all`], with the time read from that
+/// limiter's clock.
+#[derive(Clone, Copy)]
+pub struct Check<'a> {
+    pub registry: &'a Registry,
+    pub key: &'a str,
+    pub now: i64,
+}
+
+impl Registry {
+    /// `max_keys`: `None` for no bound (besides `u32::MAX`).
+    #[must_use]
+    pub fn new(config: Config, max_keys: Option<usize>) -> Registry {
+        Registry {
+            config,
+            max_keys: max_keys.unwrap_or(u32::MAX as usize).min(u32::MAX as usize),
+            hasher: DefaultHashBuilder::default(),
+            table: Mutex::new(Table::new()),
+        }
+    }
+
+    #[must_use]
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Validates a call's key and cost; returns the key's hash and the cost.
+    fn check(&self, key: &str, cost: i128) -> Result<(u64, u64), Error> {
+        let cost = self.config.check_cost(cost)?;
+        check_key(key)?;
+        Ok((self.hasher.hash_one(key), cost))
+    }
+
+    /// Refills the key's bucket to `now` and spends `cost` if it holds that much.
+    ///
+    /// # Errors
+    /// A bad key or cost; nothing changes then.
+    pub fn allow(&self, key: &str, cost: i128, now: i64) -> Result<Decision, Error> {
+        let (hash, cost) = self.check(key, cost)?;
+        let config = &self.config;
+        let mut table = self.table.lock();
+        let now = table.observe(now);
+        let mut log_no_room = false;
+        let decision = match table.slot(config, &self.hasher, self.max_keys, hash, key, now, true) {
+            Slot::Held(position) => {
+                let (decision, after) = table.entries[position]
+                    .bucket
+                    .refilled(config, now)
+                    .decide(config, cost);
+                table.entries[position].bucket = after;
+                decision
+            }
+            Slot::New => {
+                let (decision, after) = Bucket::full(config, now).decide(config, cost);
+                table.insert(&self.hasher, hash, key, after);
+                table.refusing_new = false;
+                decision
+            }
+            Slot::NoRoom(wait) => {
+                log_no_room = table.count_no_room();
+                no_room(config, wait)
+            }
+        };
+        table.count(decision.allowed);
+        table.sweep(config, &self.hasher, SWEEP_PER_CALL);
+        drop(table);
+        if log_no_room {
+            self.log_no_room();
+        }
+        Ok(decision)
+    }
+
+    /// What [`Registry::allow`] would answer at `now`, changing nothing.
+    ///
+    /// # Errors
+    /// A bad key or cost.
+    pub fn peek(&self, key: &str, cost: i128, now: i64) -> Result<Decision, Error> {
+        let (hash, cost) = self.check(key, cost)?;
+        let config = &self.config;
+        let mut table = self.table.lock();
+        let now = now.max(table.latest);
+        let slot = table.slot(config, &self.hasher, self.max_keys, hash, key, now, false);
+        Ok(match slot {
+            Slot::Held(position) => {
+                table.entries[position]
+                    .bucket
+                    .refilled(config, now)
+                    .decide(config, cost)
+                    .0
+            }
+            Slot::New => Bucket::full(config, now).decide(config, cost).0,
+            Slot::NoRoom(wait) => no_room(config, wait),
+        })
+    }
+
+    /// Gives back `cost` tokens reserved earlier, never above capacity.
+    ///
+    /// # Errors
+    /// A bad key or cost; nothing changes then.
+    pub fn refund(&self, key: &str, cost: i128, now: i64) -> Result<(), Error> {
+        let (hash, cost) = self.check(key, cost)?;
+        let config = &self.config;
+        let mut table = self.table.lock();
+        let now = table.observe(now);
+        // A missing bucket is full: there is nothing to give back.
+        if let Some(position) = table.find(hash, key) {
+            let bucket = &mut table.entries[position].bucket;
+            *bucket = bucket.refilled(config, now).refunded(config, cost);
+        }
+        Ok(())
+    }
+
+    /// Makes the key's bucket full again (by forgetting it).
+    ///
+    /// # Errors
+    /// A bad key.
+    pub fn reset(&self, key: &str) -> Result<(), Error> {
+        check_key(key)?;
+        let hash = self.hasher.hash_one(key);
+        let mut table = self.table.lock();
+        if let Some(position) = table.find(hash, key) {
+            table.remove_at(&self.hasher, position);
+        }
+        Ok(())
+    }
+
+    /// Forgets every bucket and releases the table's memory.
+    pub fn clear(&self) {
+        let mut table = self.table.lock();
+        table.index = HashTable::new();
+        table.entries = Vec::new();
+        table.cursor = 0;
+    }
+
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.table.lock().entries.len()
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        let table = self.table.lock();
+        Stats {
+            keys: table.entries.len() as u64,
+            ..table.stats
+        }
+    }
+
+    fn log_no_room(&self) {
+        log::warn!(
+            "max_keys={} reached and no bucket is full: refusing new keys until one is",
+            self.max_keys
+        );
+    }
+}
+
+/// Checks every bucket first and spends `cost` from all of them only if all
+/// allow. Tables are locked in address order, so concurrent calls naming the
+/// same limiters in any order cannot deadlock.
+///
+/// # Errors
+/// A bad key or cost, or the same (limiter, key) twice; nothing changes then.
+///
+/// # Panics
+/// Never: every registry named in `checks` is locked before it is looked up.
+pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
+    if checks.is_empty() {
+        return Err(Error::NoChecks);
+    }
+    let mut hashes = Vec::with_capacity(checks.len());
+    let mut spend = 0;
+    for (i, check) in checks.iter().enumerate() {
+        let (hash, checked) = check.registry.check(check.key, cost)?;
+        hashes.push(hash);
+        spend = checked;
+        if checks[..i]
+            .iter()
+            .any(|c| std::ptr::eq(c.registry, check.registry) && c.key == check.key)
+        {
+            return Err(Error::DuplicateCheck(check.key.to_owned()));
+        }
+    }
+    let cost = spend;
+    let mut registries: Vec<&Registry> = checks.iter().map(|c| c.registry).collect();
+    registries.sort_by_key(|r| std::ptr::from_ref(*r) as usize);
+    registries.dedup_by_key(|r| std::ptr::from_ref(*r) as usize);
+    let mut tables: Vec<MutexGuard<'_, Table>> =
+        registries.iter().map(|r| r.table.lock()).collect();
+    let table_of = |registry: &Registry| {
+        registries
+            .iter()
+            .position(|r| std::ptr::eq(*r, registry))
+            .expect("every registry was locked")
+    };
+
+    // Check every bucket before spending from any.
+    let mut log_no_room = Vec::new();
+    let mut decisions = Vec::with_capacity(checks.len());
+    let mut buckets = Vec::with_capacity(checks.len());
+    for (check, &hash) in checks.iter().zip(&hashes) {
+        let registry = check.registry;
+        let config = &registry.config;
+        let table = &mut tables[table_of(registry)];
+        let now = table.observe(check.now);
+        let bucket = match table.slot(
+            config,
+            &registry.hasher,
+            registry.max_keys,
+            hash,
+            check.key,
+            now,
+            true,
+        ) {
+            Slot::Held(position) => table.entries[position].bucket.refilled(config, now),
+            Slot::New => Bucket::full(config, now),
+            Slot::NoRoom(wait) => {
+                if table.count_no_room() {
+                    log_no_room.push(registry);
+                }
+                decisions.push(no_room(config, wait));
+                buckets.push(None);
+                continue;
+            }
+        };
+        decisions.push(bucket.decide(config, cost).0);
+        buckets.push(Some(bucket));
+    }
+    let allowed = decisions.iter().all(|d| d.allowed);
+    if !allowed {
+        // Nothing is spent: report the buckets that would have allowed as
+        // they stand, not as if they had been charged.
+        for ((decision, bucket), check) in decisions.iter_mut().zip(&buckets).zip(checks) {
+            if let (true, Some(bucket)) = (decision.allowed, bucket) {
+                *decision = bucket.describe(&check.registry.config, true, Some(0));
+            }
+        }
+    }
+    for (check, &hash) in checks.iter().zip(&hashes) {
+        let registry = check.registry;
+        let config = &registry.config;
+        let table = &mut tables[table_of(registry)];
+        table.count(allowed);
+        if !allowed {
+            continue;
+        }
+        // Found again: making room above may have moved entries.
+        let now = table.latest;
+        if let Some(position) = table.find(hash, check.key) {
+            let (_, after) = table.entries[position]
+                .bucket
+                .refilled(config, now)
+                .decide(config, cost);
+            table.entries[position].bucket = after;
+        } else {
+            let (_, after) = Bucket::full(config, now).decide(config, cost);
+            table.insert(&registry.hasher, hash, check.key, after);
+            table.refusing_new = false;
+        }
+    }
+    for (registry, table) in registries.iter().zip(tables.iter_mut()) {
+        table.sweep(&registry.config, &registry.hasher, SWEEP_PER_CALL);
+    }
+    drop(tables);
+    for registry in log_no_room {
+        registry.log_no_room();
+    }
+    Ok(combine(&decisions))
+}
+
+/// One decision for several buckets: allowed if all allow; `retry_after` the
+/// longest among the refusals; the rest from the bucket with the fewest
+/// remaining tokens (the first on a tie).
+fn combine(decisions: &[Decision]) -> Decision {
+    let allowed = decisions.iter().all(|d| d.allowed);
+    let tightest = decisions
+        .iter()
+        .reduce(|best, d| {
+            if d.remaining < best.remaining {
+                d
+            } else {
+                best
+            }
+        })
+        .copied()
+        .unwrap_or(Decision {
+            allowed: true,
+            retry_after: Some(0),
+            remaining: 0,
+            reset_after: Some(0),
+            limit: 0,
+        });
+    let retry_after = if allowed {
+        Some(0)
+    } else {
+        decisions
+            .iter()
+            .filter(|d| !d.allowed)
+            .map(|d| d.retry_after)
+            // None (never) is the longest wait of all.
+            .reduce(|a, b| match (a, b) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                _ => None,
+            })
+            .unwrap_or(Some(0))
+    };
+    Decision {
+        allowed,
+        retry_after,
+        ..tightest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rate::Number;
+
+    fn registry(capacity: i128, rate: f64, max_keys: Option<usize>) -> Registry {
+        let config = Config::new(capacity, Number::Float(rate), Number::Int(1)).unwrap();
+        Registry::new(config, max_keys)
+    }
+
+    #[test]
+    fn keys_are_independent() {
+        let r = registry(3, 1.0, None);
+        for _ in 0..3 {
+            assert!(r.allow("a", 1, 0).unwrap().allowed);
+        }
+        assert!(!r.allow("a", 1, 0).unwrap().allowed);
+        assert!(r.allow("b", 3, 0).unwrap().allowed);
+    }
+
+    #[test]
+    fn full_buckets_are_swept_without_changing_answers() {
+        let r = registry(2, 1.0, None);
+        for i in 0..1000 {
+            r.allow(&format!("k{i}"), 1, 0).unwrap();
+        }
+        assert_eq!(r.len(), 1000);
+        // One second later every bucket is full again.
+        for _ in 0..300 {
+            r.allow("hot", 1, 10_000_000).unwrap();
+        }
+        // Only the bucket still being spent is held.
+        assert_eq!(r.len(), 1);
+        assert_eq!(r.stats().evicted, 1000);
+    }
+
+    #[test]
+    fn max_keys_refuses_new_keys_and_never_resets_a_drained_one() {
+        let r = registry(2, 0.0, Some(2));
+        assert!(r.allow("a", 2, 0).unwrap().allowed);
+        assert!(r.allow("b", 2, 0).unwrap().allowed);
+        let d = r.allow("c", 1, 0).unwrap();
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, None);
+        assert!(!r.allow("a", 1, 10).unwrap().allowed);
+        assert_eq!(r.stats().refused_new_keys, 1);
+    }
+
+    #[test]
+    fn max_keys_makes_room_from_full_buckets() {
+        let r = registry(1, 1.0, Some(2));
+        assert!(r.allow("a", 1, 0).unwrap().allowed);
+        assert!(r.allow("b", 1, 0).unwrap().allowed);
+        let d = r.allow("c", 1, 500_000).unwrap();
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(500_000));
+        assert!(r.peek("c", 1, 1_000_000).unwrap().allowed);
+        assert!(r.allow("c", 1, 1_000_000).unwrap().allowed);
+    }
+
+    #[test]
+    fn allow_all_spends_nothing_unless_all_allow() {
+        let user = registry(2, 0.0, None);
+        let global = registry(3, 0.0, None);
+        let checks = |key| {
+            [
+                Check {
+                    registry: &user,
+                    key,
+                    now: 0,
+                },
+                Check {
+                    registry: &global,
+                    key: "all",
+                    now: 0,
+                },
+            ]
+        };
+        assert!(allow_all(&checks("u1"), 2).unwrap().allowed);
+        let d = allow_all(&checks("u2"), 2).unwrap();
+        assert!(!d.allowed);
+        assert_eq!(d.remaining, 1);
+        assert!(user.peek("u2", 2, 0).unwrap().allowed, "u2 was not charged");
+        assert!(allow_all(&checks("u2"), 1).unwrap().allowed);
+        assert_eq!(
+            allow_all(&[checks("x")[0], checks("x")[0]], 1),
+            Err(Error::DuplicateCheck("x".into()))
+        );
+    }
+}
