@@ -299,6 +299,7 @@ impl TokenBucketLimiter {
 impl TokenBucketLimiter {
     #[new]
     #[pyo3(signature = (capacity, rate, clock = None, *, per = Per(Number::Int(1)), max_keys = None))]
+    #[pyo3(text_signature = "(capacity, rate, clock=None, *, per=1, max_keys=None)")]
     fn new(
         capacity: &Bound<'_, PyAny>,
         rate: &Bound<'_, PyAny>,
@@ -342,14 +343,14 @@ impl TokenBucketLimiter {
     }
 
     /// Decides and spends.
-    #[pyo3(signature = (key, cost = Cost(1)))]
+    #[pyo3(signature = (key, cost = Cost(1)), text_signature = "($self, key, cost=1)")]
     fn allow(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<Decision> {
         let now = self.now(py)?;
         Ok(self.registry.allow(key.as_str()?, cost.0, now)?.into())
     }
 
     /// What `allow` would answer now; changes nothing.
-    #[pyo3(signature = (key, cost = Cost(1)))]
+    #[pyo3(signature = (key, cost = Cost(1)), text_signature = "($self, key, cost=1)")]
     fn peek(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<Decision> {
         let now = self.now(py)?;
         Ok(self.registry.peek(key.as_str()?, cost.0, now)?.into())
@@ -421,7 +422,7 @@ impl TokenBucketLimiter {
 
 /// Spends `cost` from every `(limiter, key)` only if all of them allow.
 #[pyfunction]
-#[pyo3(signature = (checks, cost = Cost(1)))]
+#[pyo3(signature = (checks, cost = Cost(1)), text_signature = "(checks, cost=1)")]
 pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyResult<Decision> {
     let mut pairs: Vec<(Bound<'_, TokenBucketLimiter>, Bound<'_, PyAny>)> = Vec::new();
     for item in checks.try_iter()? {
@@ -466,7 +467,7 @@ pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyRes
 /// `(capacity, units refilled per microsecond, units per token)`.
 /// Validates exactly as `TokenBucketLimiter` does; one source of truth.
 #[pyfunction]
-#[pyo3(signature = (capacity, rate, *, per = Per(Number::Int(1))))]
+#[pyo3(signature = (capacity, rate, *, per = Per(Number::Int(1))), text_signature = "(capacity, rate, *, per=1)")]
 pub fn exact_units(
     capacity: &Bound<'_, PyAny>,
     rate: &Bound<'_, PyAny>,

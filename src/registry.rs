@@ -380,7 +380,9 @@ impl Registry {
     }
 
     fn log_no_room(&self) {
+        // Target "bucketlimit": pyo3-log maps it to the Python logger of that name.
         log::warn!(
+            target: "bucketlimit",
             "max_keys={} reached and no bucket is full: refusing new keys until one is",
             self.max_keys
         );

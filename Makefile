@@ -1,0 +1,39 @@
+# Developer commands, used by the README and by .ci/run alike.
+# Run them inside a virtual environment (see README, "Development").
+.DEFAULT_GOAL := help
+PY ?= python
+
+.PHONY: help
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+
+.PHONY: install
+install: ## build the extension (release) and install the package with its dev tools
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+
+.PHONY: build
+build: ## rebuild the extension in place after a Rust change
+	maturin develop --release --quiet
+
+.PHONY: lint
+lint: ## rustfmt, clippy, ruff, mypy --strict and stubtest
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	ruff check .
+	ruff format --check .
+	mypy --strict python/bucketlimit
+	$(PY) -m mypy.stubtest bucketlimit._core --allowlist .mypy-stubtest-allowlist
+
+.PHONY: test
+test: ## Rust tests, then the Python suite (starts its own redis-server processes)
+	$(PY) scripts/ensure_redis.py
+	cargo test --quiet
+	$(PY) -m pytest
+
+.PHONY: check
+check: lint test ## everything CI runs
+
+.PHONY: bench
+bench: ## side-by-side benchmarks (not part of the tests)
+	$(PY) -m bucketlimit bench
