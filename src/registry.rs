@@ -432,22 +432,21 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
     let mut log_no_room = Vec::new();
     let mut decisions = Vec::with_capacity(checks.len());
     let mut buckets = Vec::with_capacity(checks.len());
+    // New keys of this call, per table: they count against max_keys too.
+    let mut pending = vec![0; tables.len()];
     for (check, &hash) in checks.iter().zip(&hashes) {
         let registry = check.registry;
         let config = &registry.config;
-        let table = &mut tables[table_of(registry)];
+        let index = table_of(registry);
+        let table = &mut tables[index];
         let now = table.observe(check.now);
-        let bucket = match table.slot(
-            config,
-            &registry.hasher,
-            registry.max_keys,
-            hash,
-            check.key,
-            now,
-            true,
-        ) {
+        let room = registry.max_keys.saturating_sub(pending[index]);
+        let bucket = match table.slot(config, &registry.hasher, room, hash, check.key, now, true) {
             Slot::Held(position) => table.entries[position].bucket.refilled(config, now),
-            Slot::New => Bucket::full(config, now),
+            Slot::New => {
+                pending[index] += 1;
+                Bucket::full(config, now)
+            }
             Slot::NoRoom(wait) => {
                 if table.count_no_room() {
                     log_no_room.push(registry);
@@ -603,6 +602,30 @@ mod tests {
         assert_eq!(d.retry_after, Some(500_000));
         assert!(r.peek("c", 1, 1_000_000).unwrap().allowed);
         assert!(r.allow("c", 1, 1_000_000).unwrap().allowed);
+    }
+
+    #[test]
+    fn allow_all_counts_its_own_new_keys_against_max_keys() {
+        let r = registry(1, 0.0, Some(2));
+        assert!(r.allow("a", 1, 0).unwrap().allowed);
+        let d = allow_all(
+            &[
+                Check {
+                    registry: &r,
+                    key: "b",
+                    now: 0,
+                },
+                Check {
+                    registry: &r,
+                    key: "c",
+                    now: 0,
+                },
+            ],
+            1,
+        )
+        .unwrap();
+        assert!(!d.allowed);
+        assert_eq!(r.len(), 1);
     }
 
     #[test]
