@@ -1,0 +1,117 @@
+"""The command line: ``python -m bucketlimit {simulate,bench}``.
+
+``simulate`` shows what capacity and rate do to a stream of requests;
+``bench`` measures the cost of a decision. Run either with ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from bucketlimit import __version__
+from bucketlimit._simulate import PATTERNS, Settings, SimulationError, simulate
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a usage error as one line on stderr and exits with status 2.
+
+    argparse would print the whole usage first; one line is easier to read in
+    a script's log and easy to test. Sub-command parsers share this class.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())  # never more than one line
+        self.exit(2, f"bucketlimit: error: {message}\n")
+
+
+def _number(text: str) -> int | float:
+    """An int when the text is one (exact in the limiter and in the report), else a float."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m bucketlimit", description="bucketlimit: a token-bucket rate limiter."
+    )
+    parser.add_argument("--version", action="version", version=f"bucketlimit {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sim = commands.add_parser(
+        "simulate",
+        help="replay synthetic traffic through a limiter and chart what it admits",
+        description="Replays synthetic traffic through a real TokenBucketLimiter on a manual "
+        "clock (no sleeping) and prints what it admitted, with a chart over time.",
+    )
+    sim.add_argument("--capacity", type=int, required=True, help="bucket size in tokens")
+    sim.add_argument("--rate", type=_number, required=True, help="tokens refilled per --per")
+    sim.add_argument("--per", type=_number, default=1, help="seconds (default 1)")
+    sim.add_argument("--cost", type=int, default=1, help="tokens per request (default 1)")
+    sim.add_argument(
+        "--pattern",
+        choices=PATTERNS,
+        required=True,
+        help="steady: evenly spaced requests; burst: idle, then bursts of twice what a "
+        "full bucket admits at one instant; poisson: random exponential gaps",
+    )
+    sim.add_argument("--duration", type=_number, required=True, help="seconds of traffic")
+    sim.add_argument("--seed", type=int, default=0, help="random seed for poisson (default 0)")
+    sim.add_argument(
+        "--offered-rate",
+        type=float,
+        default=None,
+        help="average requests per second offered (default: twice what the limit sustains)",
+    )
+    sim.add_argument("--ascii", action="store_true", help="draw the chart with ASCII only")
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure ns per allow() and bytes per key, next to a pure-Python bucket",
+    )
+    size = bench.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer repetitions and calls")
+    size.add_argument("--smoke", action="store_true", help="a few thousand calls: checks it runs")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        from bucketlimit._bench import bench  # only this command needs it
+
+        bench("smoke" if args.smoke else "quick" if args.quick else "full", sys.stdout)
+        return 0
+    settings = Settings(
+        capacity=args.capacity,
+        rate=args.rate,
+        per=args.per,
+        cost=args.cost,
+        pattern=args.pattern,
+        duration=args.duration,
+        seed=args.seed,
+        offered_rate=args.offered_rate,
+    )
+    try:
+        simulate(settings, sys.stdout, ascii_only=args.ascii or not _draws_blocks(sys.stdout))
+    except SimulationError as error:
+        parser.error(str(error))
+    return 0
+
+
+def _draws_blocks(stream: object) -> bool:
+    """Whether the stream can encode the block characters of the chart."""
+    try:
+        "█▁".encode(getattr(stream, "encoding", None) or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
