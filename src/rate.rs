@@ -52,6 +52,10 @@ fn exact_fraction(n: Number) -> Option<Fraction> {
             if !x.is_finite() || x < 0.0 {
                 return None;
             }
+            if x == 0.0 {
+                // Also -0.0, which equals 0 but prints as "-0e0".
+                return Some(Fraction { num: 0, den: 1 });
+            }
             decimal_fraction(x)
         }
     }
@@ -229,6 +233,8 @@ mod tests {
         assert_eq!((c.per_micro, c.rate_den), (5, 3));
         let c = cfg(10, Number::Float(0.1), Number::Float(0.5));
         assert_eq!((c.per_micro, c.rate_den), (1, 5));
+        let c = cfg(3, Number::Float(-0.0), Number::Int(1));
+        assert_eq!((c.per_micro, c.rate_den), (0, 1));
         let c = cfg(3, Number::Int(0), Number::Float(7.0));
         assert_eq!((c.per_micro, c.rate_den, c.unit), (0, 1, 1_000_000));
         assert_eq!(c.full, 3_000_000);
