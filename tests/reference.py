@@ -1,0 +1,246 @@
+"""A reference model of the in-process limiter, written from DESIGN §2 and §4.
+
+It shares no code with the core: the exact rate comes from
+``fractions.Fraction`` (a float by its shortest decimal form, ``repr``), time
+from ``round(seconds * 1_000_000)``, and every bucket is plain Python
+integers. Property tests replay one trace through both and compare answers,
+so a bug has to be made twice, the same way, to go unnoticed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Protocol
+
+MICROS = 1_000_000
+
+
+class DecisionLike(Protocol):
+    """What both ``bucketlimit.Decision`` and :class:`Answer` provide."""
+
+    @property
+    def allowed(self) -> bool: ...
+    @property
+    def retry_after(self) -> float: ...
+    @property
+    def remaining(self) -> int: ...
+    @property
+    def reset_after(self) -> float: ...
+    @property
+    def limit(self) -> int: ...
+    @property
+    def degraded(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The fields of a ``Decision``, as the model computes them."""
+
+    allowed: bool
+    retry_after: float
+    remaining: int
+    reset_after: float
+    limit: int
+    degraded: bool = False
+
+
+def answer_of(decision: DecisionLike) -> Answer:
+    """A real ``Decision`` as an :class:`Answer`, for comparison."""
+    return Answer(
+        decision.allowed,
+        decision.retry_after,
+        decision.remaining,
+        decision.reset_after,
+        decision.limit,
+        decision.degraded,
+    )
+
+
+def exact(number: int | float) -> Fraction:
+    """An int as it is; a float by its shortest decimal form (``0.1`` is 1/10)."""
+    if isinstance(number, float):
+        return Fraction(repr(number))
+    return Fraction(number)
+
+
+def to_micros(seconds: int | float) -> int:
+    """A clock reading in whole microseconds (Python's round: half to even)."""
+    if isinstance(seconds, float):
+        return round(seconds * MICROS)
+    return seconds * MICROS
+
+
+def seconds(micros: int | None) -> float:
+    """A wait as the limiter reports it: microseconds / 1e6, ``inf`` for never."""
+    if micros is None:
+        return math.inf
+    return float(micros) / 1e6
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ReferenceLimiter:
+    """One limiter: exact integer buckets keyed by string, nothing evicted.
+
+    Keeping every bucket forever is deliberate: DESIGN §5 says a full bucket
+    answers exactly like a missing one, so a limiter that forgets buckets
+    must still agree with this model.
+    """
+
+    def __init__(self, capacity: int, rate: int | float, per: int | float = 1) -> None:
+        self.capacity = capacity
+        tokens_per_second = exact(rate) / exact(per)  # reduced by Fraction
+        self.rate = tokens_per_second
+        self.p = tokens_per_second.numerator  # units refilled per microsecond
+        self.unit = tokens_per_second.denominator * MICROS  # units in one token
+        self.full = capacity * self.unit
+        # key -> (balance in units, last time in µs)
+        self.buckets: dict[str, tuple[int, int]] = {}
+        # The latest time any spending call has seen; never goes back.
+        self.time: int | None = None
+        self.allowed = 0
+        self.refused = 0
+
+    # -- time and buckets ------------------------------------------------
+
+    def observe(self, now: int) -> int:
+        """Records a clock reading (µs) and returns the limiter's time."""
+        self.time = now if self.time is None else max(self.time, now)
+        return self.time
+
+    def current(self, now: int) -> int:
+        """The limiter's time for a reading, without recording it (peek)."""
+        return now if self.time is None else max(self.time, now)
+
+    def balance_at(self, key: str, now: int) -> int:
+        """The key's balance refilled to ``now``; a missing bucket is full."""
+        if key not in self.buckets:
+            return self.full
+        balance, last = self.buckets[key]
+        elapsed = max(0, now - last)
+        return min(self.full, balance + elapsed * self.p)
+
+    def store(self, key: str, balance: int, now: int) -> None:
+        _, last = self.buckets.get(key, (self.full, now))
+        self.buckets[key] = (balance, max(last, now))
+
+    # -- answers -----------------------------------------------------------
+
+    def wait(self, missing: int) -> int | None:
+        """µs until ``missing`` units have refilled; None when never."""
+        if missing <= 0:
+            return 0
+        if self.p == 0:
+            return None
+        return ceil_div(missing, self.p)
+
+    def describe(self, balance: int, allowed: bool, retry_after: int | None) -> Answer:
+        """An answer reporting a bucket holding ``balance``."""
+        return Answer(
+            allowed=allowed,
+            retry_after=seconds(retry_after),
+            remaining=balance // self.unit,
+            reset_after=seconds(self.wait(self.full - balance)),
+            limit=self.capacity,
+        )
+
+    def decide(self, balance: int, cost: int) -> tuple[Answer, int]:
+        """The answer to ``cost`` from ``balance``, and the balance after it."""
+        need = cost * self.unit
+        if balance >= need:
+            return self.describe(balance - need, True, 0), balance - need
+        return self.describe(balance, False, self.wait(need - balance)), balance
+
+    def check_cost(self, cost: int) -> None:
+        if cost < 1 or cost > self.capacity:
+            raise ValueError(f"cost {cost} outside 1..{self.capacity}")
+
+    # -- the public operations, with the clock already read (µs) ------------
+
+    def allow(self, key: str, cost: int, now: int) -> Answer:
+        self.check_cost(cost)
+        now = self.observe(now)
+        answer, balance = self.decide(self.balance_at(key, now), cost)
+        self.store(key, balance, now)
+        if answer.allowed:
+            self.allowed += 1
+        else:
+            self.refused += 1
+        return answer
+
+    def peek(self, key: str, cost: int, now: int) -> Answer:
+        self.check_cost(cost)
+        now = self.current(now)
+        return self.decide(self.balance_at(key, now), cost)[0]
+
+    def refund(self, key: str, cost: int, now: int) -> None:
+        self.check_cost(cost)
+        now = self.observe(now)
+        balance = self.balance_at(key, now)
+        self.store(key, min(self.full, balance + cost * self.unit), now)
+
+    def reset(self, key: str) -> None:
+        self.buckets.pop(key, None)
+
+    def clear(self) -> None:
+        self.buckets.clear()
+
+
+def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) -> Answer:
+    """DESIGN §2's ``allow_all``; each check carries its limiter's reading (µs).
+
+    Every bucket is checked first; cost is spent from all only if all allow.
+    """
+    seen: list[tuple[ReferenceLimiter, str]] = []
+    for limiter, key, _ in checks:
+        limiter.check_cost(cost)
+        if any(other is limiter and other_key == key for other, other_key in seen):
+            raise ValueError(f"duplicate (limiter, key): {key!r}")
+        seen.append((limiter, key))
+    if not checks:
+        raise ValueError("allow_all needs at least one (limiter, key)")
+
+    answers: list[Answer] = []
+    balances: list[int] = []
+    for limiter, key, reading in checks:
+        now = limiter.observe(reading)
+        balance = limiter.balance_at(key, now)
+        balances.append(balance)
+        answers.append(limiter.decide(balance, cost)[0])
+    allowed = all(a.allowed for a in answers)
+
+    for limiter, key, _ in checks:
+        if allowed:
+            limiter.allowed += 1
+            # Spent at the limiter's latest time (a limiter named twice may
+            # have read its clock twice).
+            assert limiter.time is not None
+            now = limiter.time
+            limiter.store(key, limiter.balance_at(key, now) - cost * limiter.unit, now)
+        else:
+            limiter.refused += 1
+    if not allowed:
+        # Nothing was spent: the buckets that would have allowed are
+        # reported as they stand, not as if charged.
+        answers = [
+            limiter.describe(balance, True, 0) if answer.allowed else answer
+            for (limiter, _, _), balance, answer in zip(checks, balances, answers, strict=True)
+        ]
+
+    tightest = answers[0]
+    for answer in answers[1:]:
+        if answer.remaining < tightest.remaining:  # first one wins a tie
+            tightest = answer
+    retry_after = max((a.retry_after for a in answers if not a.allowed), default=0.0)
+    return Answer(
+        allowed=allowed,
+        retry_after=retry_after,
+        remaining=tightest.remaining,
+        reset_after=tightest.reset_after,
+        limit=tightest.limit,
+    )
