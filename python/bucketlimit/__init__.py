@@ -6,6 +6,46 @@
 True
 """
 
-from bucketlimit._core import MAX_KEY_BYTES, Decision, TokenBucketLimiter, __version__, allow_all
+from __future__ import annotations
+
+import sys
+from collections.abc import Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, SupportsIndex, overload
+
+from bucketlimit import _core
+from bucketlimit._core import MAX_KEY_BYTES, Decision, TokenBucketLimiter, __version__
+
+if TYPE_CHECKING:
+    from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
 
 __all__ = ["MAX_KEY_BYTES", "Decision", "TokenBucketLimiter", "__version__", "allow_all"]
+
+
+@overload
+def allow_all(
+    checks: Iterable[tuple[TokenBucketLimiter, str]], cost: SupportsIndex = 1
+) -> Decision: ...
+@overload
+def allow_all(
+    checks: Iterable[tuple[RedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
+) -> Decision: ...
+@overload
+def allow_all(
+    checks: Iterable[tuple[AsyncRedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
+) -> Coroutine[Any, Any, Decision]: ...
+def allow_all(checks: Iterable[tuple[Any, str]], cost: Any = 1) -> Any:
+    """Spends ``cost`` from every (limiter, key) only if all of them allow.
+
+    In-process limiters are checked under their locks in Rust; Redis limiters
+    sharing one client run as one script (``bucketlimit.redis``); for asyncio
+    Redis limiters the result is a coroutine to await. The kinds cannot be mixed.
+    """
+    # A Redis limiter exists only once bucketlimit.redis was imported: no import
+    # (and no redis dependency) here otherwise.
+    redis = sys.modules.get("bucketlimit.redis")
+    if redis is not None:
+        checks = list(checks)
+        routed = redis._route_allow_all(checks, cost)
+        if routed is not None:
+            return routed
+    return _core.allow_all(checks, cost)

@@ -1,0 +1,608 @@
+"""Token buckets shared through Redis (DESIGN §6): the same answers as the in-process limiter.
+
+    from bucketlimit.redis import RedisTokenBucketLimiter
+
+    limiter = RedisTokenBucketLimiter.from_url("redis://localhost:6379/0", 10, 2)
+    if not limiter.allow("user-42"):
+        ...  # 429
+
+The arithmetic of DESIGN §4 runs inside Redis as one Lua script (``lua/bucket.lua``),
+one atomic step per call, so processes never race on a read-modify-write. The script
+reads the server's ``TIME``, so processes with skewed clocks agree; a ``clock`` given
+to the limiter is sent to the script instead (tests, single-clock setups).
+
+A script is sent with EVALSHA; only a ``NOSCRIPT`` reply (the server lost its script
+cache: restart, failover, ``SCRIPT FLUSH``) is answered by sending the script itself
+once more, which is safe because the script did not run. Nothing else is retried: a
+command that timed out may have run, and sending it again could charge twice. Store
+errors propagate to the caller for now (the failure policy is not built yet).
+
+Keys are ``prefix{tag}:key``: the hash tag first, so a Redis Cluster places each
+bucket by its tag. The tag is the key itself unless the limiter has a
+``hash_tag(key) -> str``. Both parts are percent-escaped (``%``, ``{``, ``}`` and
+``:``), so the only braces in a key are ours: no key can pick another tag's slot,
+and two different (tag, key) pairs never share a Redis key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import operator
+import re
+import threading
+from collections.abc import Callable, Iterable
+from importlib import resources
+from typing import Any, ClassVar, Final, SupportsIndex
+
+import redis
+import redis.asyncio
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, ResponseError
+from redis.retry import Retry
+
+from bucketlimit import _core
+from bucketlimit._core import Decision
+
+__all__ = [
+    "AsyncRedisTokenBucketLimiter",
+    "CorruptBucketError",
+    "RedisTokenBucketLimiter",
+    "allow_all",
+    "allow_all_async",
+]
+
+SyncClient = redis.Redis | RedisCluster
+AsyncClient = redis.asyncio.Redis | AsyncRedisCluster
+
+#: Lua numbers are doubles: integers are exact below 2**53 and no further.
+LUA_EXACT: Final = 2**53
+
+#: The timeouts ``from_url`` gives its client, in seconds: a limiter that waits
+#: longer than this for its store is slower than having no limiter at all.
+DEFAULT_TIMEOUT: Final = 0.25
+
+# The only characters escaped in keys and tags: '%' (the escape itself), the
+# braces Redis reads as a hash tag, and ':' (our separator).
+_ESCAPES: Final = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D", ":": "%3A"})
+
+# Script modes (ARGV[1] of lua/bucket.lua).
+_ALLOW: Final = b"a"
+_PEEK: Final = b"p"
+_REFUND: Final = b"r"
+# ARGV "now" asking the script to read the server's TIME.
+_SERVER_TIME: Final = b""
+# The start of the error reply the script gives for a value that is not a bucket.
+_CORRUPT_REPLY: Final = "BUCKETLIMIT corrupt"
+
+
+class CorruptBucketError(ResponseError):
+    """A bucket's key holds a value the script does not recognise as a bucket.
+
+    Such a value is never read as an allow; the call fails instead. It is a
+    ``redis.exceptions.ResponseError``, so code catching store errors sees it.
+    """
+
+
+class _Script:
+    """A Lua script and its SHA1, the name EVALSHA knows it by."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+
+
+_BUCKET_SCRIPT: Final = _Script(
+    resources.files("bucketlimit").joinpath("lua", "bucket.lua").read_text("utf-8")
+)
+
+
+def _encode(part: str) -> bytes:
+    return part.translate(_ESCAPES).encode("utf-8")
+
+
+def _check_cost(cost: object, capacity: int) -> int:
+    """The cost rules of the core (DESIGN §3), with its messages."""
+    if type(cost) is int:
+        value = cost
+    elif isinstance(cost, (bool, float)):
+        raise TypeError(f"cost must be an int, got {type(cost).__name__} {cost!r}")
+    else:
+        try:
+            value = operator.index(cost)  # type: ignore[arg-type]  # checked by the call
+        except TypeError:
+            raise TypeError(f"cost must be an int, got {type(cost).__name__}") from None
+    if value < 1:
+        raise ValueError(f"cost must be >= 1, got {value}")
+    if value > capacity:
+        raise ValueError(f"cost {value} exceeds capacity {capacity}: the request could never pass")
+    return value
+
+
+def _seconds(micros: int) -> float:
+    """A wait from the script: whole microseconds, -1 for never."""
+    return math.inf if micros < 0 else micros / 1_000_000
+
+
+def _decision(reply: Any) -> Decision:
+    allowed, retry_after, remaining, reset_after, limit = reply
+    return Decision(allowed == 1, _seconds(retry_after), remaining, _seconds(reset_after), limit)
+
+
+def _store_error(error: ResponseError, keys: list[bytes]) -> ResponseError:
+    """A reply saying a bucket's key holds something else, as a :class:`CorruptBucketError`.
+
+    The script reports a string that is not a bucket by the key's position (a key
+    may hold "\\r\\n", which an error reply cannot carry); Redis reports any
+    other type (a list, a hash) as ``WRONGTYPE``, without saying which key.
+    """
+    message = str(error)
+    position = re.match(_CORRUPT_REPLY + r" bucket value in key (\d+) ", message)
+    if position:
+        return CorruptBucketError(
+            f"the value at {keys[int(position[1]) - 1]!r} is not a bucketlimit bucket"
+        )
+    if message.startswith("WRONGTYPE"):
+        where = repr(keys[0]) if len(keys) == 1 else f"one of {keys!r}"
+        return CorruptBucketError(f"the value at {where} is not a bucketlimit bucket: {message}")
+    return error
+
+
+class _Counters:
+    """The numbers ``stats()`` reports; a lock, since many threads may share a limiter."""
+
+    __slots__ = ("_lock", "allowed", "refused", "script_loads", "store_calls")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.allowed = self.refused = self.store_calls = self.script_loads = 0
+
+    def call(self, *, reload: bool = False) -> None:
+        with self._lock:
+            self.store_calls += 1
+            self.script_loads += reload
+
+    def decided(self, allowed: bool) -> None:
+        with self._lock:
+            if allowed:
+                self.allowed += 1
+            else:
+                self.refused += 1
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "allowed": self.allowed,
+                "refused": self.refused,
+                "store_calls": self.store_calls,
+                "script_loads": self.script_loads,
+            }
+
+
+class _RedisLimiter:
+    """What the sync and async classes share: configuration, keys, script arguments.
+
+    The two subclasses differ only in how they talk to the client.
+    """
+
+    # The script run by EVALSHA. A class attribute so that a test may swap it.
+    _script: ClassVar[_Script] = _BUCKET_SCRIPT
+    # A redis.Redis, RedisCluster or one of their asyncio twins (set by the subclass).
+    _client: object
+
+    def __init__(
+        self,
+        capacity: SupportsIndex,
+        rate: float | SupportsIndex,
+        clock: Callable[[], float] | None,
+        *,
+        per: float | SupportsIndex,
+        prefix: str,
+        hash_tag: Callable[[str], str] | None,
+    ) -> None:
+        capacity, p, unit = _core.exact_units(capacity, rate, per=per)
+        if clock is not None and not callable(clock):
+            raise TypeError(
+                "clock must be a zero-argument callable returning seconds, "
+                f"got {type(clock).__name__}"
+            )
+        if hash_tag is not None and not callable(hash_tag):
+            raise TypeError(f"hash_tag must be a callable (key -> str), got {type(hash_tag)}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        if "{" in prefix or "}" in prefix:
+            # A brace in the prefix would become the hash tag of every key.
+            raise ValueError(f"prefix must not contain '{{' or '}}', got {prefix!r}")
+        if capacity * unit + p >= LUA_EXACT:
+            raise ValueError(
+                f"capacity {capacity} with rate {rate!r} per {per!r} is beyond the exact range "
+                "of the Redis script: Lua numbers are doubles, exact only below 2**53, and "
+                f"capacity * units per token + units per microsecond = {capacity * unit + p}"
+            )
+        self._capacity: int = capacity
+        self._p: int = p
+        self._unit: int = unit
+        self._per = per if isinstance(per, float) else float(operator.index(per))
+        self._clock = clock
+        self._prefix = prefix.encode("utf-8")
+        self._hash_tag = hash_tag
+        # The per-bucket script arguments after `now`, fixed for this limiter.
+        self._config_args = (capacity, unit, p)
+        self._counters = _Counters()
+
+    # -- read-only configuration -------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def rate(self) -> float:
+        """Tokens per second (``rate / per`` as given)."""
+        return self._p / (self._unit // 1_000_000)
+
+    @property
+    def per(self) -> float:
+        return self._per
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix.decode("utf-8")
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this limiter object: ``allowed``, ``refused``, ``store_calls``
+        (commands sent) and ``script_loads`` (scripts re-sent after ``NOSCRIPT``)."""
+        return self._counters.snapshot()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(capacity={self._capacity}, rate={self.rate * self._per!r}, "
+            f"per={self._per!r}, prefix={self.prefix!r})"
+        )
+
+    # -- keys and arguments --------------------------------------------------------
+
+    def _key(self, key: str) -> bytes:
+        """The Redis key of ``key``'s bucket: ``prefix{tag}:key``, both parts escaped."""
+        _core.check_key(key)
+        encoded = _encode(key)
+        if self._hash_tag is None:
+            tag = encoded
+        else:
+            raw = self._hash_tag(key)
+            if not isinstance(raw, str):
+                raise TypeError(f"hash_tag must return a str, got {type(raw).__name__}")
+            if not raw:
+                # An empty tag would make Redis hash the whole key instead.
+                raise ValueError(f"hash_tag returned an empty tag for key {key!r}")
+            try:
+                tag = _encode(raw)
+            except UnicodeEncodeError as e:
+                raise ValueError(f"hash_tag returned a tag not encodable as UTF-8: {e}") from None
+        return b"%s{%s}:%s" % (self._prefix, tag, encoded)
+
+    def _now(self) -> int | bytes:
+        """The script's ``now``: the injected clock in µs, or "read the server's TIME"."""
+        if self._clock is None:
+            return _SERVER_TIME
+        seconds = self._clock()
+        micros = _core.clock_to_micros(seconds)
+        if not -LUA_EXACT < micros < LUA_EXACT:
+            raise ValueError(
+                f"clock returned {seconds!r}: the Redis script computes in Lua doubles, "
+                "so readings must stay within +/-2**53 microseconds"
+            )
+        return micros
+
+    def _call(self, mode: bytes, key: str, cost: object) -> tuple[list[bytes], list[Any]]:
+        """Keys and arguments of a one-bucket script call; validates like the core."""
+        cost = _check_cost(cost, self._capacity)
+        keys = [self._key(key)]
+        return keys, [mode, cost, self._now(), *self._config_args]
+
+
+def _plan_all(checks: Iterable[Any], cost: object) -> tuple[Any, list[bytes], list[Any]]:
+    """The limiter to send through, keys and arguments of one ``allow_all`` script.
+
+    Everything is checked here, before anything is sent: pairs, duplicates, one
+    client, costs, keys and (on a cluster) one hash slot.
+    """
+    limiters: list[_RedisLimiter] = []
+    keys: list[bytes] = []
+    args: list[Any] = [_ALLOW, 0]
+    seen: set[tuple[int, str]] = set()
+    for item in checks:
+        try:
+            limiter, key = item
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"allow_all takes a sequence of (limiter, key) pairs, got {type(item).__name__}"
+            ) from None
+        if not isinstance(limiter, _RedisLimiter):
+            raise TypeError(f"allow_all got {type(limiter).__name__} among Redis limiters")
+        if limiters and limiter._client is not limiters[0]._client:
+            raise ValueError(
+                "allow_all runs one script on one client: every Redis limiter in it "
+                "must share the same client object"
+            )
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
+        if (id(limiter), key) in seen:
+            raise ValueError(f"allow_all got the same (limiter, key) twice: key {key!r}")
+        seen.add((id(limiter), key))
+        checked = _check_cost(cost, limiter.capacity)
+        bucket = limiter._key(key)
+        if bucket in keys:
+            # Two limiters with one prefix: the script would read the bucket twice
+            # and charge it once.
+            raise ValueError(
+                f"allow_all names the Redis key {bucket!r} twice: limiters sharing a "
+                "client need different prefixes"
+            )
+        limiters.append(limiter)
+        keys.append(bucket)
+        args += [limiter._now(), *limiter._config_args]
+        args[1] = checked
+    if not limiters:
+        raise ValueError("allow_all needs at least one (limiter, key)")
+    client = limiters[0]._client
+    if isinstance(client, (RedisCluster, AsyncRedisCluster)):
+        slots = {key_slot(k) for k in keys}
+        if len(slots) > 1:
+            raise ValueError(
+                "allow_all on a Redis Cluster needs every key in one hash slot, got slots "
+                f"{sorted(slots)}: give the limiters a hash_tag that maps these keys to one tag "
+                "(e.g. the tenant)"
+            )
+    return limiters[0], keys, args
+
+
+def _client_options(timeout: float, no_retries: Retry | AsyncRetry) -> dict[str, Any]:
+    """What ``from_url`` gives a client: short timeouts, and a command that failed
+    is never sent again (it may have run: a resend could charge twice)."""
+    return {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": no_retries}
+
+
+def _count_all(checks: Iterable[Any], decision: Decision) -> Decision:
+    for limiter, _ in checks:
+        limiter._counters.decided(decision.allowed)
+    return decision
+
+
+class RedisTokenBucketLimiter(_RedisLimiter):
+    """Token buckets in Redis, shared by every process using the same keys and prefix.
+
+    ``client`` is a ``redis.Redis`` or ``redis.cluster.RedisCluster`` as you built
+    it (timeouts, TLS, pool); turn its retries off (see the README: a retried
+    timeout can charge twice) or use :meth:`from_url`. ``capacity``, ``rate``,
+    ``clock`` and ``per`` mean what they mean for
+    :class:`bucketlimit.TokenBucketLimiter`; ``clock=None`` uses the server's time.
+    ``prefix`` starts every key (no braces); ``hash_tag(key) -> str`` picks the
+    Redis Cluster hash tag of a key (default: the key itself).
+    """
+
+    _client: SyncClient
+
+    def __init__(
+        self,
+        client: SyncClient,
+        capacity: SupportsIndex,
+        rate: float | SupportsIndex,
+        clock: Callable[[], float] | None = None,
+        *,
+        per: float | SupportsIndex = 1,
+        prefix: str = "bucketlimit:",
+        hash_tag: Callable[[str], str] | None = None,
+    ) -> None:
+        if not isinstance(client, (redis.Redis, RedisCluster)):
+            raise TypeError(
+                "client must be a redis.Redis or redis.cluster.RedisCluster "
+                f"(use AsyncRedisTokenBucketLimiter for asyncio clients), got {type(client)}"
+            )
+        super().__init__(capacity, rate, clock, per=per, prefix=prefix, hash_tag=hash_tag)
+        self._client = client
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        capacity: SupportsIndex,
+        rate: float | SupportsIndex,
+        clock: Callable[[], float] | None = None,
+        *,
+        per: float | SupportsIndex = 1,
+        prefix: str = "bucketlimit:",
+        hash_tag: Callable[[str], str] | None = None,
+        cluster: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> RedisTokenBucketLimiter:
+        """A limiter on a new client for ``url``: ``timeout`` seconds to connect and
+        to answer, and no command retries. ``cluster=True`` builds a ``RedisCluster``."""
+        options = _client_options(timeout, Retry(NoBackoff(), 0))
+        client: SyncClient
+        if cluster:
+            client = RedisCluster.from_url(url, **options)
+        else:
+            client = redis.Redis.from_url(url, **options)
+        return cls(client, capacity, rate, clock, per=per, prefix=prefix, hash_tag=hash_tag)
+
+    @property
+    def client(self) -> SyncClient:
+        return self._client
+
+    def _run(self, keys: list[bytes], args: list[Any]) -> Any:
+        """Sends the script: the one place a command for a bucket goes to the store."""
+        script = self._script
+        try:
+            try:
+                self._counters.call()
+                return self._client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                # The script did not run: sending it whole is safe, and caches it again.
+                self._counters.call(reload=True)
+                return self._client.eval(script.source, len(keys), *keys, *args)
+        except ResponseError as e:
+            raise _store_error(e, keys) from e
+
+    def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
+        """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
+        decision = _decision(self._run(*self._call(_ALLOW, key, cost)))
+        self._counters.decided(decision.allowed)
+        return decision
+
+    def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
+        """What ``allow`` would answer now; writes nothing."""
+        return _decision(self._run(*self._call(_PEEK, key, cost)))
+
+    def refund(self, key: str, cost: SupportsIndex) -> None:
+        """Gives back ``cost`` tokens reserved but not used; never above capacity."""
+        self._run(*self._call(_REFUND, key, cost))
+
+    def reset(self, key: str) -> None:
+        """Makes the key's bucket full again (deletes it)."""
+        bucket = self._key(key)
+        self._counters.call()
+        self._client.delete(bucket)
+
+
+class AsyncRedisTokenBucketLimiter(_RedisLimiter):
+    """:class:`RedisTokenBucketLimiter` for ``redis.asyncio`` clients: the methods
+    that talk to Redis are coroutines. Same buckets, keys and answers."""
+
+    _client: AsyncClient
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        capacity: SupportsIndex,
+        rate: float | SupportsIndex,
+        clock: Callable[[], float] | None = None,
+        *,
+        per: float | SupportsIndex = 1,
+        prefix: str = "bucketlimit:",
+        hash_tag: Callable[[str], str] | None = None,
+    ) -> None:
+        if not isinstance(client, (redis.asyncio.Redis, AsyncRedisCluster)):
+            raise TypeError(
+                "client must be a redis.asyncio.Redis or redis.asyncio.RedisCluster "
+                f"(use RedisTokenBucketLimiter for blocking clients), got {type(client)}"
+            )
+        super().__init__(capacity, rate, clock, per=per, prefix=prefix, hash_tag=hash_tag)
+        self._client = client
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        capacity: SupportsIndex,
+        rate: float | SupportsIndex,
+        clock: Callable[[], float] | None = None,
+        *,
+        per: float | SupportsIndex = 1,
+        prefix: str = "bucketlimit:",
+        hash_tag: Callable[[str], str] | None = None,
+        cluster: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> AsyncRedisTokenBucketLimiter:
+        """Like :meth:`RedisTokenBucketLimiter.from_url`, with a ``redis.asyncio`` client."""
+        options = _client_options(timeout, AsyncRetry(NoBackoff(), 0))
+        client: AsyncClient
+        if cluster:
+            client = AsyncRedisCluster.from_url(url, **options)
+        else:
+            client = redis.asyncio.Redis.from_url(url, **options)
+        return cls(client, capacity, rate, clock, per=per, prefix=prefix, hash_tag=hash_tag)
+
+    @property
+    def client(self) -> AsyncClient:
+        return self._client
+
+    async def _run(self, keys: list[bytes], args: list[Any]) -> Any:
+        """Sends the script: the one place a command for a bucket goes to the store."""
+        script = self._script
+        try:
+            try:
+                self._counters.call()
+                return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+            except NoScriptError:
+                # The script did not run: sending it whole is safe, and caches it again.
+                self._counters.call(reload=True)
+                return await self._client.eval(script.source, len(keys), *keys, *args)
+        except ResponseError as e:
+            raise _store_error(e, keys) from e
+
+    async def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
+        """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
+        decision = _decision(await self._run(*self._call(_ALLOW, key, cost)))
+        self._counters.decided(decision.allowed)
+        return decision
+
+    async def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
+        """What ``allow`` would answer now; writes nothing."""
+        return _decision(await self._run(*self._call(_PEEK, key, cost)))
+
+    async def refund(self, key: str, cost: SupportsIndex) -> None:
+        """Gives back ``cost`` tokens reserved but not used; never above capacity."""
+        await self._run(*self._call(_REFUND, key, cost))
+
+    async def reset(self, key: str) -> None:
+        """Makes the key's bucket full again (deletes it)."""
+        bucket = self._key(key)
+        self._counters.call()
+        await self._client.delete(bucket)
+
+
+def allow_all(
+    checks: Iterable[tuple[RedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
+) -> Decision:
+    """``bucketlimit.allow_all`` for Redis limiters sharing one client: one script
+    that checks every bucket before it spends from any."""
+    checks = list(checks)
+    limiter, keys, args = _plan_all(checks, cost)
+    if not isinstance(limiter, RedisTokenBucketLimiter):
+        raise TypeError("allow_all takes RedisTokenBucketLimiter instances here")
+    return _count_all(checks, _decision(limiter._run(keys, args)))
+
+
+async def allow_all_async(
+    checks: Iterable[tuple[AsyncRedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
+) -> Decision:
+    """:func:`allow_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
+    checks = list(checks)
+    limiter, keys, args = _plan_all(checks, cost)
+    if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
+        raise TypeError("allow_all_async takes AsyncRedisTokenBucketLimiter instances")
+    return _count_all(checks, _decision(await limiter._run(keys, args)))
+
+
+def _route_allow_all(checks: list[Any], cost: object) -> Any:
+    """For ``bucketlimit.allow_all``: the Redis answer (a coroutine for asyncio
+    limiters), or ``None`` when no Redis limiter is named."""
+    kinds: set[str | None] = set()
+    for item in checks:
+        try:
+            limiter, _ = item
+        except (TypeError, ValueError):
+            limiter = None  # not a pair: the core says so
+        if isinstance(limiter, RedisTokenBucketLimiter):
+            kinds.add("redis")
+        elif isinstance(limiter, AsyncRedisTokenBucketLimiter):
+            kinds.add("asyncio redis")
+        else:
+            kinds.add(None)
+    if kinds == {"redis"}:
+        return allow_all(checks, cost)  # type: ignore[arg-type]  # cost is checked inside
+    if kinds == {"asyncio redis"}:
+        return allow_all_async(checks, cost)  # type: ignore[arg-type]
+    if kinds <= {None}:
+        return None
+    raise TypeError(
+        "allow_all cannot mix in-process, Redis and asyncio Redis limiters: each kind "
+        "keeps its buckets elsewhere, so no single step can check them all"
+    )

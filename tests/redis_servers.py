@@ -1,0 +1,366 @@
+"""Real redis-server processes for the tests: started on free loopback ports, stopped after.
+
+Loaded by ``tests/conftest.py`` as a pytest plugin. Fixtures:
+
+- ``redis_server``: one standalone server for the session; ``redis_url`` and
+  ``redis_client`` give each test an empty database.
+- ``redis_cluster``: a 3-node Redis Cluster (16384 slots over three primaries) for
+  the session; ``redis_cluster_client`` gives each test empty nodes.
+- ``redis_server_factory``: dedicated servers a test may stop, kill, pause
+  (SIGSTOP) and restart on the same port, stopped at the end of the test.
+
+No server is ever started on 6379 or as a system service; each runs with
+``--save '' --appendonly no`` in its own directory under pytest's tmp path.
+Without a ``redis-server`` binary the Redis tests skip, saying how to get one;
+under ``CI=true`` they fail instead, so CI can never pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.retry import Retry
+
+__all__ = ["RedisServer", "ServerFactory", "redis_unavailable"]
+
+# Seconds a server (or a cluster) may take to answer before the tests give up.
+READY_TIMEOUT = 20.0
+CLUSTER_SLOTS = 16384
+
+
+def redis_unavailable(reason: str) -> None:
+    """Skips the test, or fails it under CI=true, where Redis must be present."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: the Redis tests must run)", pytrace=False)
+    pytest.skip(f"{reason}; install it with `apt-get install -y redis-server`")
+
+
+def free_port(*, bus: bool = False) -> int:
+    """A free loopback port (never 6379); with ``bus``, port + 10000 is free too
+    (a cluster node listens there)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port == 6379 or (bus and (port + 10000 > 65535 or not _is_free(port + 10000))):
+            continue
+        return port
+    raise RuntimeError("no free loopback port found")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class RedisServer:
+    """One redis-server process on 127.0.0.1, in its own directory."""
+
+    def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False):
+        self.directory = directory
+        self.cluster = cluster
+        self.fixed_port = port is not None
+        self.port = port if port is not None else free_port(bus=cluster)
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, *, connect_timeout: float | None = None) -> redis.Redis:
+        """A client for the test's own checks and set-up (no retries: a check that
+        fails should say so at once)."""
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            socket_timeout=10,
+            socket_connect_timeout=connect_timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ServerStartError("redis-server is not on PATH")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                self._spawn(binary)
+                return self
+            except ServerStartError:
+                # Another process may have taken the free port we picked: pick again.
+                if self.fixed_port or "Address already in use" not in self.log_tail():
+                    raise
+                self.port = free_port(bus=self.cluster)
+        raise ServerStartError(f"no free port for redis-server: {self.log_tail()}")
+
+    def _spawn(self, binary: str) -> None:
+        args = [
+            binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(self.directory),
+            "--logfile", "redis.log",
+            "--daemonize", "no",
+        ]  # fmt: skip
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        (self.directory / "redis.log").unlink(missing_ok=True)
+        with open(self.directory / "output.log", "ab") as output:
+            self.process = subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT)
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        # Polling for readiness, bounded: not a timing assertion.
+        deadline = time.monotonic() + READY_TIMEOUT
+        client = self.client(connect_timeout=1)
+        try:
+            while True:
+                assert self.process is not None
+                if self.process.poll() is not None:
+                    code = self.process.returncode
+                    self.process = None
+                    raise ServerStartError(
+                        f"redis-server on port {self.port} exited with {code}: {self.log_tail()}"
+                    )
+                try:
+                    # Ours, not another server that holds the port we picked.
+                    if client.info("server")["process_id"] == self.process.pid:
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ServerStartError(
+                        f"redis-server on port {self.port} did not answer: {self.log_tail()}"
+                    )
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def log_tail(self) -> str:
+        text = ""
+        for name in ("output.log", "redis.log"):
+            log = self.directory / name
+            if log.exists():
+                text += log.read_text(errors="replace")
+        return text[-2000:]
+
+    def stop(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL) and waits for it."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.resume()  # a stopped process cannot handle SIGTERM
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, losing everything (no persistence)."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+        self.stop()
+
+    def pause(self) -> None:
+        """SIGSTOP: the server hangs; connections stay open and nothing answers."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+
+    def restart(self) -> RedisServer:
+        """Stops and starts again on the same port, empty (no persistence)."""
+        self.stop()
+        self.fixed_port = True  # clients know this port: never move to another
+        return self.start()
+
+
+class ServerFactory:
+    """Starts dedicated servers for one test and stops them all at its end."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.servers: list[RedisServer] = []
+
+    def start(self, *, port: int | None = None) -> RedisServer:
+        """A new server (on ``port``, e.g. a stopped one's, or a free one)."""
+        server = RedisServer(self.directory / f"server-{len(self.servers)}", port=port)
+        self.servers.append(server)
+        return server.start()
+
+    def stop_all(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def _start(server: RedisServer) -> RedisServer:
+    if shutil.which("redis-server") is None:
+        redis_unavailable("redis-server is not installed")
+    try:
+        return server.start()
+    except ServerStartError as e:
+        redis_unavailable(f"redis-server would not start: {e}")
+        raise  # unreachable: redis_unavailable always raises
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One standalone redis-server for the whole session."""
+    server = RedisServer(tmp_path_factory.mktemp("redis-standalone"))
+    _start(server)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session server's URL, emptied for this test (keys and cached scripts)."""
+    client = redis_server.client()
+    client.flushall()
+    client.script_flush()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Redis]:
+    """A client on the session server (empty database), closed after the test."""
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
+    """Dedicated servers for one test (to stop, kill, pause or restart)."""
+    if shutil.which("redis-server") is None:
+        redis_unavailable("redis-server is not installed")
+    factory = ServerFactory(tmp_path)
+    yield factory
+    factory.stop_all()
+
+
+def command(client: redis.Redis, *args: str | int) -> Any:
+    """A raw command (redis-py types ``execute_command`` loosely)."""
+    return client.execute_command(*args)  # type: ignore[no-untyped-call]
+
+
+class RedisClusterNodes:
+    """Three primaries sharing the 16384 slots, no replicas."""
+
+    def __init__(self, directory: Path):
+        self.servers = [RedisServer(directory / f"node-{i}", cluster=True) for i in range(3)]
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    def start(self) -> None:
+        for server in self.servers:
+            _start(server)
+        clients = [server.client() for server in self.servers]
+        try:
+            # Slots split as redis-cli --cluster create does, then every node meets the first.
+            bounds = [0, 5461, 10923, CLUSTER_SLOTS]
+            for i, client in enumerate(clients):
+                command(client, "CLUSTER", "ADDSLOTS", *range(bounds[i], bounds[i + 1]))
+                command(client, "CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+            for server in self.servers[1:]:
+                command(clients[0], "CLUSTER", "MEET", "127.0.0.1", server.port)
+            self._wait_until_ok(clients)
+        finally:
+            for client in clients:
+                client.close()
+
+    def _wait_until_ok(self, clients: list[redis.Redis]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            infos = [command(client, "CLUSTER", "INFO") for client in clients]
+            if all(_cluster_ok(info) for info in infos):
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                redis_unavailable(f"the test cluster did not become ready: {infos}")
+            time.sleep(0.05)
+
+    def client(self) -> RedisCluster:
+        nodes = [ClusterNode("127.0.0.1", server.port) for server in self.servers]  # type: ignore[no-untyped-call]
+        return RedisCluster(startup_nodes=nodes, socket_timeout=10)
+
+    def dbsize(self) -> int:
+        """Keys held by all three nodes."""
+        total = 0
+        for server in self.servers:
+            client = server.client()
+            total += client.dbsize()
+            client.close()
+        return total
+
+    def flush(self) -> None:
+        for server in self.servers:
+            client = server.client()
+            client.flushall()
+            client.close()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def _cluster_ok(info: object) -> bool:
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+    return (
+        fields.get("cluster_state") == "ok"
+        and fields.get("cluster_known_nodes") == "3"
+        and fields.get("cluster_slots_ok") == str(CLUSTER_SLOTS)
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    """A 3-node Redis Cluster for the whole session."""
+    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster_client(redis_cluster: RedisClusterNodes) -> Iterator[RedisCluster]:
+    """A RedisCluster client on empty nodes, closed after the test."""
+    redis_cluster.flush()
+    client = redis_cluster.client()
+    yield client
+    client.close()
