@@ -1,0 +1,248 @@
+"""Rate limits for Flask: a view decorator and an app-wide extension.
+
+::
+
+    from flask import Flask
+    from bucketlimit import TokenBucketLimiter
+    from bucketlimit.flask import Limit, RateLimit, client_address
+
+    app = Flask(__name__)
+    per_client = Limit(TokenBucketLimiter(10, 1), name="per-client")
+    RateLimit(per_client, app)                 # every request of the app
+
+    @app.get("/search")
+    @Limit(TokenBucketLimiter(2, 0.1), name="search")   # one view (several stack)
+    def search(): ...
+
+A refused request gets ``429`` with ``Retry-After`` and a JSON body
+``{"error": "rate limited", "retry_after": 2}``; every limited response carries
+``RateLimit-Policy`` and ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11),
+one field each whatever the number of limits. Flask is synchronous: give it the
+in-process limiter or ``RedisTokenBucketLimiter``, not the asyncio one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
+
+import flask
+from flask import Flask, Request, Response, current_app, g, jsonify
+
+from bucketlimit._http import (
+    AsyncReservation,
+    ConfigurationError,
+    KeyFunctionError,
+    LimitSettings,
+    Network,
+    RequestLimits,
+    Reservation,
+    SyncLimiter,
+    TrustedProxies,
+    forwarded_client,
+    refusal_body,
+    refusal_headers,
+    reserve,
+)
+
+__all__ = [
+    "ConfigurationError",
+    "KeyFunctionError",
+    "Limit",
+    "RateLimit",
+    "Reservation",
+    "client_address",
+    "limit",
+    "remote_address",
+    "reservation",
+    "reserve",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_STATE = "_bucketlimit"
+
+
+def client_address(trusted_proxies: Iterable[str | Network] = ()) -> Callable[[Request], str]:
+    """A key function: the client's IP address.
+
+    With no trusted proxies (the default) it is the direct peer,
+    ``request.remote_addr``, and ``X-Forwarded-For`` is ignored: a client cannot
+    pick its own key by sending one. Behind proxies, list their networks; the key
+    is then the right-most ``X-Forwarded-For`` hop that is not one of them.
+    """
+    trusted = TrustedProxies(trusted_proxies)
+
+    def key(request: Request) -> str:
+        address = forwarded_client(
+            request.remote_addr, request.headers.getlist("X-Forwarded-For"), trusted
+        )
+        if address is None:
+            raise KeyFunctionError(
+                "the request has no peer address (REMOTE_ADDR is missing), so "
+                "client_address() cannot key it; give the limit another key="
+            )
+        return address
+
+    key.__qualname__ = f"client_address({list(map(str, trusted.networks))!r})"
+    return key
+
+
+#: The default key: the direct peer address, ``X-Forwarded-For`` ignored.
+remote_address = client_address()
+
+
+def _describe(request: Request) -> str:
+    return f"{request.method} {request.path}"
+
+
+def _request_limits() -> RequestLimits:
+    """This request's limits; the first call arranges for one writer of the fields."""
+    limits: RequestLimits | None = g.get(_STATE)
+    if limits is None:
+        limits = RequestLimits()
+        setattr(g, _STATE, limits)
+
+        # Runs on the final response, error responses included, after every
+        # limit of the request has decided: one RateLimit field, never two.
+        @flask.after_this_request
+        def write_fields(response: Response) -> Response:
+            for name, value in limits.fields().items():
+                response.headers[name] = value  # replaces, never appends
+            return response
+
+    return limits
+
+
+class Limit(LimitSettings[Request]):
+    """One limit: decorate views with it, or apply it to a whole app with :class:`RateLimit`.
+
+    - ``limiter``: ``TokenBucketLimiter`` or ``RedisTokenBucketLimiter``.
+    - ``key``: a function of the request returning a non-empty ``str``; default
+      :data:`remote_address`. Returning ``None`` or ``""`` raises
+      :class:`KeyFunctionError` rather than sharing one bucket.
+    - ``cost``: an ``int`` or a function of the request (``request.get_json()``
+      works, and the view can read the body again). A cost above the capacity is
+      a 429 that will never pass (no ``Retry-After``).
+    - ``name``: the policy name in the RateLimit fields; distinct per route.
+    - ``shadow``: decide, charge, report (headers, log, :attr:`shadow_refusals`),
+      never refuse.
+    - ``exempt``: a predicate of the request; true means no limit, no charge, no
+      fields.
+
+    When several limits apply to a request and one refuses, the others' charges
+    are refunded: the request did not run.
+    """
+
+    def __init__(
+        self,
+        limiter: SyncLimiter,
+        *,
+        key: Callable[[Request], Any] = remote_address,
+        cost: int | Callable[[Request], Any] = 1,
+        name: str = "default",
+        shadow: bool = False,
+        exempt: Callable[[Request], Any] | None = None,
+    ) -> None:
+        super().__init__(limiter, key=key, cost=cost, name=name, shadow=shadow, exempt=exempt)
+        if self._is_async:
+            raise TypeError(
+                "Flask views are synchronous: use TokenBucketLimiter or "
+                "RedisTokenBucketLimiter, not an asyncio limiter"
+            )
+        self._sync: SyncLimiter = limiter
+
+    def __call__(self, view: F) -> F:
+        """Limits one view. Stack several, each with its own ``name``."""
+
+        @functools.wraps(view)
+        def limited(*args: Any, **kwargs: Any) -> Any:
+            refusal = self.check()
+            if refusal is not None:
+                return refusal
+            return current_app.ensure_sync(view)(*args, **kwargs)
+
+        return cast(F, limited)
+
+    def check(self) -> Response | None:
+        """Applies the limit to the current request: a 429 response, or ``None`` to go on."""
+        request = flask.request
+        if self.exempt is not None and self.exempt(request):
+            return None
+        limits = _request_limits()
+        if limits.find(self) is not None:
+            return None  # already applied to this request (app-wide and on the view)
+        where = _describe(request)
+        key = self.checked_key(self.key(request), where)
+        cost = self.cost(request) if callable(self.cost) else self.cost
+        if self.can_never_pass(cost):
+            decision = self.never(self._sync.peek(key, self._sync.capacity))
+        else:
+            decision = self._sync.allow(key, cost)
+        held = Reservation(self._sync, key, cost if decision.allowed else 0, decision)
+        limits.add(self, self.applied(decision), held)
+        if not self.refuses(decision, key, cost, where):
+            return None
+        for other in limits.others(self):
+            cast(Reservation, other).cancel()
+        response = jsonify(refusal_body(decision))
+        response.status_code = 429
+        response.headers.update(refusal_headers(decision))
+        return response
+
+
+def limit(
+    limiter: SyncLimiter,
+    *,
+    key: Callable[[Request], Any] = remote_address,
+    cost: int | Callable[[Request], Any] = 1,
+    name: str = "default",
+    shadow: bool = False,
+    exempt: Callable[[Request], Any] | None = None,
+) -> Limit:
+    """``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``."""
+    return Limit(limiter, key=key, cost=cost, name=name, shadow=shadow, exempt=exempt)
+
+
+class RateLimit:
+    """A Flask extension applying a :class:`Limit` to every request of an app.
+
+    ``RateLimit(limit, app)`` or ``ext = RateLimit(limit); ext.init_app(app)``.
+    It runs before the view's own limits; a view decorated with the same
+    ``Limit`` is charged once. Use ``exempt=`` on the limit for health checks.
+    """
+
+    def __init__(self, limit: Limit, app: Flask | None = None) -> None:
+        if not isinstance(limit, Limit):
+            raise TypeError(f"RateLimit takes a bucketlimit.flask.Limit, got {limit!r}")
+        self.limit = limit
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        app.before_request(self.limit.check)
+
+    @property
+    def shadow_refusals(self) -> int:
+        return self.limit.shadow_refusals
+
+
+def reservation(name: str | None = None) -> Reservation:
+    """The reservation a limit made for the current request, to settle the real cost.
+
+    ``name`` picks the limit when several apply. Reserve the largest cost up front
+    (``cost=`` the request's ``max_tokens``), then refund what the view did not use::
+
+        reservation("tokens").settle(tokens_generated)
+
+    ``settle`` may run after the response, e.g. at the end of a streamed body or in
+    ``response.call_on_close``. A reservation never settled keeps its full charge.
+    """
+    limits: RequestLimits | None = g.get(_STATE)
+    if limits is None:
+        raise LookupError("no limit applied to this request")
+    found = limits.reservation(name)
+    if isinstance(found, AsyncReservation):  # pragma: no cover - Flask never makes these
+        raise TypeError("an async reservation in a Flask request")
+    return found
