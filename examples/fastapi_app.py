@@ -29,10 +29,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from bucketlimit import TokenBucketLimiter
-from bucketlimit.fastapi import AsyncReservation, Limit, RateLimitMiddleware, client_address
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, Field
+
+from bucketlimit import TokenBucketLimiter
+from bucketlimit.fastapi import AsyncReservation, Limit, RateLimitMiddleware, client_address
 
 CAPACITY = int(os.environ.get("BUCKETLIMIT_CAPACITY", "10"))
 RATE = float(os.environ.get("BUCKETLIMIT_RATE", "1"))

@@ -28,9 +28,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from flask import Flask, Request, request
+
 from bucketlimit import TokenBucketLimiter
 from bucketlimit.flask import Limit, RateLimit, client_address, limit, reservation
-from flask import Flask, Request, request
 
 CAPACITY = int(os.environ.get("BUCKETLIMIT_CAPACITY", "10"))
 RATE = float(os.environ.get("BUCKETLIMIT_RATE", "1"))

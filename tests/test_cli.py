@@ -16,8 +16,9 @@ import subprocess
 import sys
 from fractions import Fraction
 
-import bucketlimit
 import pytest
+
+import bucketlimit
 from bucketlimit.__main__ import main
 from bucketlimit._bench import PurePythonBucket
 from bucketlimit._simulate import COLUMNS, Replay, Settings, bin_end, make_traffic, simulate

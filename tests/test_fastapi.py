@@ -14,6 +14,11 @@ from typing import Annotated, Any, cast
 
 import httpx
 import pytest
+from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+from starlette.types import Message, Receive, Scope, Send
+
 from bucketlimit import Decision, TokenBucketLimiter
 from bucketlimit.fastapi import (
     AsyncReservation,
@@ -26,10 +31,6 @@ from bucketlimit.fastapi import (
     reservation,
 )
 from bucketlimit.testing import ManualClock
-from fastapi import APIRouter, BackgroundTasks, Depends, FastAPI, Request
-from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
-from starlette.types import Message, Receive, Scope, Send
 
 pytestmark = pytest.mark.anyio
 

@@ -8,6 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from flask import Flask, Response, abort, request, stream_with_context
+from werkzeug.test import TestResponse
+
 from bucketlimit import Decision, TokenBucketLimiter
 from bucketlimit.flask import (
     ConfigurationError,
@@ -19,8 +22,6 @@ from bucketlimit.flask import (
     reservation,
 )
 from bucketlimit.testing import ManualClock
-from flask import Flask, Response, abort, request, stream_with_context
-from werkzeug.test import TestResponse
 
 PEER = "198.51.100.7"
 

@@ -7,6 +7,9 @@ import math
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from bucketlimit import Decision, TokenBucketLimiter
 from bucketlimit._http import (
     Applied,
@@ -27,8 +30,6 @@ from bucketlimit._http import (
     window_seconds,
 )
 from bucketlimit.testing import ManualClock
-from hypothesis import given
-from hypothesis import strategies as st
 
 # The subset of RFC 9651 the two fields use: a list of String items with Integer
 # parameters, members separated by "," and optional spaces.

@@ -17,7 +17,9 @@ import pytest
 from bucketlimit.testing import ManualClock
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCK = re.compile(r"(?:<!-- readme-test: (?P<needs>[a-z]+) -->\n)?```python\n(?P<code>.*?)```", re.S)
+BLOCK = re.compile(
+    r"(?:<!-- readme-test: (?P<needs>[a-z]+) -->\n)?```python\n(?P<code>.*?)```", re.S
+)
 
 
 def blocks() -> list[Any]:
