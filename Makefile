@@ -35,5 +35,5 @@ test: ## Rust tests, then the Python suite (starts its own redis-server processe
 check: lint test ## everything CI runs
 
 .PHONY: bench
-bench: ## side-by-side benchmarks (not part of the tests)
-	$(PY) -m bucketlimit bench
+bench: ## side-by-side benchmarks against other limiters; writes docs/benchmarks.md
+	$(PY) benches/run.py
