@@ -33,24 +33,6 @@ pub struct Bucket {
     last: i64,
 }
 
-/// `ceil(a / b)` for `b > 0`, with a 64-bit fast path (u128 division is slow).
-#[inline]
-fn div_ceil(a: u128, b: u128) -> u128 {
-    match (u64::try_from(a), u64::try_from(b)) {
-        (Ok(a), Ok(b)) => u128::from(a.div_ceil(b)),
-        _ => a.div_ceil(b),
-    }
-}
-
-/// `floor(a / b)` for `b > 0`, with the same fast path.
-#[inline]
-fn div_floor(a: u128, b: u128) -> u128 {
-    match (u64::try_from(a), u64::try_from(b)) {
-        (Ok(a), Ok(b)) => u128::from(a / b),
-        _ => a / b,
-    }
-}
-
 impl Bucket {
     /// A full bucket, as of `now`. A missing bucket answers exactly like this.
     #[must_use]
@@ -116,7 +98,7 @@ impl Bucket {
         } else if config.per_micro == 0 {
             None
         } else {
-            Some(div_ceil(missing, config.per_micro))
+            Some(config.per_micro_div.div_ceil(missing, config.per_micro))
         }
     }
 
@@ -135,7 +117,11 @@ impl Bucket {
         } else {
             (
                 false,
-                Some(div_ceil(need - balance, config.per_micro)),
+                Some(
+                    config
+                        .per_micro_div
+                        .div_ceil(need - balance, config.per_micro),
+                ),
                 self,
             )
         };
@@ -148,7 +134,7 @@ impl Bucket {
         Decision {
             allowed,
             retry_after,
-            remaining: div_floor(self.balance(), config.unit) as u64,
+            remaining: config.unit_div.div_floor(self.balance(), config.unit) as u64,
             reset_after: self.until_full(config),
             limit: config.capacity,
         }

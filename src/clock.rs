@@ -5,21 +5,38 @@
 //! with Python's round-half-to-even.
 
 use std::sync::OnceLock;
-use std::time::Instant;
 
 use crate::error::Error;
 
 /// Clock readings beyond ±2^62 µs are out of range.
 pub const MAX_MICROS: i64 = 1 << 62;
 
-static ORIGIN: OnceLock<Instant> = OnceLock::new();
+static MONOTONIC: OnceLock<(quanta::Clock, quanta::Instant)> = OnceLock::new();
+
+/// Calibrates the built-in clock (about a millisecond, once): call it at
+/// module import so that no `allow()` pays for it.
+pub fn start_monotonic() {
+    let _ = monotonic_micros();
+}
 
 /// Microseconds on a monotonic clock; no Python call.
+///
+/// `quanta` reads the time-stamp counter when the CPU's is invariant and
+/// falls back to the OS's monotonic clock otherwise. Should two threads ever
+/// see readings a hair apart out of order, the registry's rule for a clock
+/// that steps back (no refill, time never moves back) covers it.
 #[must_use]
 #[inline]
 pub fn monotonic_micros() -> i64 {
-    // 2^62 µs is 146,000 years of uptime: the cast cannot wrap.
-    ORIGIN.get_or_init(Instant::now).elapsed().as_micros() as i64
+    let (clock, origin) = MONOTONIC.get_or_init(|| {
+        let clock = quanta::Clock::new();
+        let origin = clock.now();
+        (clock, origin)
+    });
+    let elapsed = clock.now().saturating_duration_since(*origin);
+    // u64 arithmetic (`as_micros` is u128); 2^62 µs is 146,000 years of
+    // uptime, so neither the product nor the cast can wrap.
+    (elapsed.as_secs() * 1_000_000 + u64::from(elapsed.subsec_micros())) as i64
 }
 
 /// `round(seconds * 1_000_000)`, half to even, as Python computes it.

@@ -19,6 +19,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // go stale when the application configures logging after import).
     // Installing fails only if this module's logger is already set; ignore.
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?.install();
+    clock::start_monotonic();
     m.add_class::<py::Decision>()?;
     m.add_class::<py::TokenBucketLimiter>()?;
     m.add_function(wrap_pyfunction!(py::allow_all, m)?)?;

@@ -104,7 +104,57 @@ pub struct Config {
     pub full: u128,
     /// The rate's reduced denominator `q` (tokens per second = `per_micro / q`).
     pub rate_den: u128,
+    /// `unit` and `per_micro` with precomputed reciprocals, for the two
+    /// divisions every decision makes (a hardware division costs more).
+    pub unit_div: Divisor,
+    pub per_micro_div: Divisor,
 }
+
+/// A divisor with its reciprocal precomputed when it fits in u64 and is not 0.
+#[derive(Clone, Copy, Debug)]
+pub struct Divisor(Option<strength_reduce::StrengthReducedU64>);
+
+impl Divisor {
+    fn new(d: u128) -> Divisor {
+        Divisor(
+            u64::try_from(d)
+                .ok()
+                .filter(|&d| d > 0)
+                .map(strength_reduce::StrengthReducedU64::new),
+        )
+    }
+
+    /// `floor(a / d)` by multiplication when both fit in u64.
+    #[inline]
+    #[must_use]
+    pub fn div_floor(self, a: u128, d: u128) -> u128 {
+        match (u64::try_from(a), self.0) {
+            (Ok(a), Some(reduced)) => u128::from(a / reduced),
+            _ => a / d,
+        }
+    }
+
+    /// `ceil(a / d)`, the same way.
+    #[inline]
+    #[must_use]
+    pub fn div_ceil(self, a: u128, d: u128) -> u128 {
+        match (u64::try_from(a), self.0) {
+            (Ok(a), Some(reduced)) => {
+                let q = a / reduced;
+                u128::from(q + u64::from(q * reduced.get() < a))
+            }
+            _ => a.div_ceil(d),
+        }
+    }
+}
+
+impl PartialEq for Divisor {
+    fn eq(&self, other: &Divisor) -> bool {
+        self.0.map(|d| d.get()) == other.0.map(|d| d.get())
+    }
+}
+
+impl Eq for Divisor {}
 
 impl Config {
     /// Builds the exact configuration, or says which value is wrong.
@@ -176,6 +226,8 @@ impl Config {
             unit,
             full,
             rate_den: q,
+            unit_div: Divisor::new(unit),
+            per_micro_div: Divisor::new(p),
         })
     }
 
@@ -272,6 +324,18 @@ mod tests {
             Config::new(i128::from(u64::MAX), Number::Float(0.000_01), one),
             Err(Error::OutOfRange { .. })
         ));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn precomputed_division_is_exact(
+            a in proptest::prop_oneof![0u128..1_000_000_000, 0u128..(1 << 64), 0u128..(1 << 70)],
+            d in proptest::prop_oneof![1u128..1000, 1u128..(1 << 64), 1u128..(1 << 66)],
+        ) {
+            let div = Divisor::new(d);
+            proptest::prop_assert_eq!(div.div_floor(a, d), a / d);
+            proptest::prop_assert_eq!(div.div_ceil(a, d), a.div_ceil(d));
+        }
     }
 
     #[test]
