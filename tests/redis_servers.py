@@ -7,7 +7,8 @@ Loaded by ``tests/conftest.py`` as a pytest plugin. Fixtures:
 - ``redis_cluster``: a 3-node Redis Cluster (16384 slots over three primaries) for
   the session; ``redis_cluster_client`` gives each test empty nodes.
 - ``redis_server_factory``: dedicated servers a test may stop, kill, pause
-  (SIGSTOP) and restart on the same port, stopped at the end of the test.
+  (SIGSTOP) and restart on the same port, stopped at the end of the test; a test
+  may add configuration to a server's command line (``extra_args``).
 
 No server is ever started on 6379 or as a system service; each runs with
 ``--save '' --appendonly no`` in its own directory under pytest's tmp path.
@@ -23,7 +24,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +77,17 @@ class ServerStartError(RuntimeError):
 class RedisServer:
     """One redis-server process on 127.0.0.1, in its own directory."""
 
-    def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False):
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        cluster: bool = False,
+        extra_args: Sequence[str] = (),
+    ):
         self.directory = directory
         self.cluster = cluster
+        self.extra_args = list(extra_args)  # more configuration, e.g. ["--maxmemory", "1mb"]
         self.fixed_port = port is not None
         self.port = port if port is not None else free_port(bus=cluster)
         self.process: subprocess.Popen[bytes] | None = None
@@ -127,6 +136,7 @@ class RedisServer:
         ]  # fmt: skip
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        args += self.extra_args
         (self.directory / "redis.log").unlink(missing_ok=True)
         with open(self.directory / "output.log", "ab") as output:
             self.process = subprocess.Popen(args, stdout=output, stderr=subprocess.STDOUT)
@@ -213,9 +223,18 @@ class ServerFactory:
         self.directory = directory
         self.servers: list[RedisServer] = []
 
-    def start(self, *, port: int | None = None) -> RedisServer:
-        """A new server (on ``port``, e.g. a stopped one's, or a free one)."""
-        server = RedisServer(self.directory / f"server-{len(self.servers)}", port=port)
+    def start(
+        self, *, port: int | None = None, cluster: bool = False, extra_args: Sequence[str] = ()
+    ) -> RedisServer:
+        """A new server (on ``port``, e.g. a stopped one's, or a free one), with
+        ``extra_args`` added to its command line; ``cluster=True`` makes it a
+        cluster-enabled node that serves no slot until given some."""
+        server = RedisServer(
+            self.directory / f"server-{len(self.servers)}",
+            port=port,
+            cluster=cluster,
+            extra_args=extra_args,
+        )
         self.servers.append(server)
         return server.start()
 

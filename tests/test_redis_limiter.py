@@ -94,7 +94,17 @@ def test_properties_repr_and_stats(redis_client: redis.Redis) -> None:
     for _ in range(12):
         limiter.allow("k")
     limiter.peek("k")
-    assert limiter.stats() == {"allowed": 10, "refused": 2, "store_calls": 14, "script_loads": 1}
+    # The 12th call and the peek are answered by the refusal cache (test_redis_faults.py).
+    assert limiter.stats() == {
+        "allowed": 10,
+        "refused": 2,
+        "store_calls": 12,
+        "script_loads": 1,
+        "store_errors": 0,
+        "fallback_decisions": 0,
+        "breaker_openings": 0,
+        "refusal_cache_hits": 2,
+    }
 
 
 def test_rate_zero_is_a_quota_and_never_refills(redis_client: redis.Redis) -> None:
@@ -239,8 +249,9 @@ def test_clock_errors(redis_client: redis.Redis) -> None:
     "value", ["nan", "inf", "1 2 3", "-5 0", "1.5 0", "", "99999999999999999999 0", "x y"]
 )
 def test_a_corrupt_value_is_never_an_allow(redis_client: redis.Redis, value: str) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1)
-    other = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="other:")
+    # "raise" shows the error; the other policies refuse (test_redis_faults.py).
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error="raise")
+    other = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="other:", on_store_error="raise")
     redis_client.set("bucketlimit:{k}:k", value)
     for call in (
         lambda: limiter.allow("k"),
@@ -255,7 +266,7 @@ def test_a_corrupt_value_is_never_an_allow(redis_client: redis.Redis, value: str
 
 
 def test_a_value_of_another_type_is_never_an_allow(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1)
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error="raise")
     redis_client.rpush("bucketlimit:{k}:k", "3000000 0")
     with pytest.raises(CorruptBucketError, match="WRONGTYPE"):
         limiter.allow("k")
@@ -358,7 +369,8 @@ def test_idle_buckets_expire_once_full(redis_client: redis.Redis) -> None:
 
 
 def test_script_flush_mid_run_costs_no_error_and_no_token(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 100, 0)
+    # Every call goes to the store, refusals too, so that the commands can be counted.
+    limiter = RedisTokenBucketLimiter(redis_client, 100, 0, refusal_cache=False)
     admitted = 0
     for i in range(300):
         if i % 50 == 0:
@@ -407,7 +419,7 @@ def test_script_flush_under_threads(redis_server: RedisServer, redis_url: str) -
 
 def test_other_errors_are_not_retried(redis_client: redis.Redis) -> None:
     """A script error other than NOSCRIPT reaches the caller after one command."""
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1)
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error="raise")
     limiter.allow("warm")  # the script is cached now
     redis_client.config_resetstat()
     redis_client.set("bucketlimit:{k}:k", "garbage")
@@ -454,10 +466,12 @@ def test_a_timed_out_command_is_not_sent_again(
     handshake, so they are counted as connections)."""
     server = redis_server_factory.start()
     if retries == 0:
-        limiter = RedisTokenBucketLimiter.from_url(server.url, 10, 0, timeout=0.5)
+        limiter = RedisTokenBucketLimiter.from_url(
+            server.url, 10, 0, timeout=0.5, on_store_error="raise"
+        )
     else:
         client = redis.Redis(port=server.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 2))
-        limiter = RedisTokenBucketLimiter(client, 10, 0)
+        limiter = RedisTokenBucketLimiter(client, 10, 0, on_store_error="raise")
     admin = server.client()
     assert limiter.allow("k")  # loads the script
     admin.config_resetstat()
@@ -509,6 +523,10 @@ def test_async_limiter_matches_in_process(redis_url: str) -> None:
             "refused": expected["refused"],
             "store_calls": 3,  # allow_all is sent through the first limiter named
             "script_loads": 0,
+            "store_errors": 0,
+            "fallback_decisions": 0,
+            "breaker_openings": 0,
+            "refusal_cache_hits": 0,
         }
 
     async def run() -> None:

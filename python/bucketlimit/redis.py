@@ -14,8 +14,14 @@ to the limiter is sent to the script instead (tests, single-clock setups).
 A script is sent with EVALSHA; only a ``NOSCRIPT`` reply (the server lost its script
 cache: restart, failover, ``SCRIPT FLUSH``) is answered by sending the script itself
 once more, which is safe because the script did not run. Nothing else is retried: a
-command that timed out may have run, and sending it again could charge twice. Store
-errors propagate to the caller for now (the failure policy is not built yet).
+command that timed out may have run, and sending it again could charge twice.
+
+When the store fails (DESIGN §6) the ``on_store_error`` policy answers instead, a
+breaker skips the store for ``retry_interval`` seconds before one call probes it,
+and a refusal cache keeps a refused key from reaching the store until its wait has
+passed (``bucketlimit._resilience``). Errors are sorted once, in
+``bucketlimit._redis_errors``: store faults go to the policy, configuration errors
+are raised whatever it says.
 
 Keys are ``prefix{tag}:key``: the hash tag first, so a Redis Cluster places each
 bucket by its tag. The tag is the key itself unless the limiter has a
@@ -29,9 +35,9 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
-import re
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from importlib import resources
 from typing import Any, ClassVar, Final, SupportsIndex
 
@@ -42,16 +48,43 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 from redis.retry import Retry
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
+from bucketlimit._redis_errors import (
+    CONFIG,
+    CORRUPT,
+    FAULT,
+    ConfigurationError,
+    CorruptBucketError,
+    StoreUnavailableError,
+    check_version,
+    classify,
+    configuration_error,
+    store_error,
+)
+from bucketlimit._resilience import (
+    CLOSED,
+    LOCAL,
+    RAISE,
+    Breaker,
+    Fallback,
+    Gate,
+    RefusalCache,
+    check_policy,
+    check_processes,
+    check_retry_interval,
+    degraded,
+)
 
 __all__ = [
     "AsyncRedisTokenBucketLimiter",
+    "ConfigurationError",
     "CorruptBucketError",
     "RedisTokenBucketLimiter",
+    "StoreUnavailableError",
     "allow_all",
     "allow_all_async",
 ]
@@ -74,18 +107,10 @@ _ESCAPES: Final = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D", ":": "%3A"}
 _ALLOW: Final = b"a"
 _PEEK: Final = b"p"
 _REFUND: Final = b"r"
+# Not a script mode: reset deletes the bucket's key.
+_RESET: Final = b"d"
 # ARGV "now" asking the script to read the server's TIME.
 _SERVER_TIME: Final = b""
-# The start of the error reply the script gives for a value that is not a bucket.
-_CORRUPT_REPLY: Final = "BUCKETLIMIT corrupt"
-
-
-class CorruptBucketError(ResponseError):
-    """A bucket's key holds a value the script does not recognise as a bucket.
-
-    Such a value is never read as an allow; the call fails instead. It is a
-    ``redis.exceptions.ResponseError``, so code catching store errors sees it.
-    """
 
 
 class _Script:
@@ -135,33 +160,24 @@ def _decision(reply: Any) -> Decision:
     return Decision(allowed == 1, _seconds(retry_after), remaining, _seconds(reset_after), limit)
 
 
-def _store_error(error: ResponseError, keys: list[bytes]) -> ResponseError:
-    """A reply saying a bucket's key holds something else, as a :class:`CorruptBucketError`.
-
-    The script reports a string that is not a bucket by the key's position (a key
-    may hold "\\r\\n", which an error reply cannot carry); Redis reports any
-    other type (a list, a hash) as ``WRONGTYPE``, without saying which key.
-    """
-    message = str(error)
-    position = re.match(_CORRUPT_REPLY + r" bucket value in key (\d+) ", message)
-    if position:
-        return CorruptBucketError(
-            f"the value at {keys[int(position[1]) - 1]!r} is not a bucketlimit bucket"
-        )
-    if message.startswith("WRONGTYPE"):
-        where = repr(keys[0]) if len(keys) == 1 else f"one of {keys!r}"
-        return CorruptBucketError(f"the value at {where} is not a bucketlimit bucket: {message}")
-    return error
-
-
 class _Counters:
     """The numbers ``stats()`` reports; a lock, since many threads may share a limiter."""
 
-    __slots__ = ("_lock", "allowed", "refused", "script_loads", "store_calls")
+    __slots__ = (
+        "_lock",
+        "allowed",
+        "fallback_decisions",
+        "refusal_cache_hits",
+        "refused",
+        "script_loads",
+        "store_calls",
+        "store_errors",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.allowed = self.refused = self.store_calls = self.script_loads = 0
+        self.store_errors = self.fallback_decisions = self.refusal_cache_hits = 0
 
     def call(self, *, reload: bool = False) -> None:
         with self._lock:
@@ -175,20 +191,55 @@ class _Counters:
             else:
                 self.refused += 1
 
+    def store_error(self) -> None:
+        with self._lock:
+            self.store_errors += 1
+
+    def fallback(self) -> None:
+        with self._lock:
+            self.fallback_decisions += 1
+
+    def cache_hit(self) -> None:
+        with self._lock:
+            self.refusal_cache_hits += 1
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "allowed": self.allowed,
-                "refused": self.refused,
-                "store_calls": self.store_calls,
-                "script_loads": self.script_loads,
-            }
+            return {name: getattr(self, name) for name in self.__slots__ if name != "_lock"}
+
+
+class _Call:
+    """One request on its way to the store, with what it takes to answer without it."""
+
+    __slots__ = ("args", "checks", "cost", "gate", "key", "keys", "mode", "started")
+
+    def __init__(
+        self,
+        mode: bytes,
+        key: str,
+        cost: int,
+        keys: list[bytes],
+        args: list[Any],
+        *,
+        started: float = 0.0,
+        checks: Sequence[tuple[_RedisLimiter, str]] | None = None,
+    ) -> None:
+        self.mode = mode
+        self.key = key  # "" for allow_all, which has checks instead
+        self.cost = cost
+        self.keys = keys
+        self.args = args
+        self.started = started  # time.monotonic() before sending, for the refusal cache
+        self.checks = checks
+        self.gate = Gate.STORE
 
 
 class _RedisLimiter:
-    """What the sync and async classes share: configuration, keys, script arguments.
+    """What the sync and async classes share: configuration, keys, script arguments,
+    and everything a call decides around the store (refusal cache, breaker, policy).
 
-    The two subclasses differ only in how they talk to the client.
+    The two subclasses differ only in how they talk to the client (``_run``,
+    ``_execute``).
     """
 
     # The script run by EVALSHA. A class attribute so that a test may swap it.
@@ -205,6 +256,10 @@ class _RedisLimiter:
         per: float | SupportsIndex,
         prefix: str,
         hash_tag: Callable[[str], str] | None,
+        on_store_error: str,
+        processes: SupportsIndex,
+        retry_interval: float,
+        refusal_cache: bool,
     ) -> None:
         capacity, p, unit = _core.exact_units(capacity, rate, per=per)
         if clock is not None and not callable(clock):
@@ -236,6 +291,30 @@ class _RedisLimiter:
         self._config_args = (capacity, unit, p)
         self._counters = _Counters()
 
+        # Without the store (DESIGN §6).
+        self._policy = check_policy(on_store_error)
+        self._processes = check_processes(processes)
+        self._retry_interval = check_retry_interval(retry_interval)
+        if not isinstance(refusal_cache, bool):
+            raise TypeError(f"refusal_cache must be a bool, got {type(refusal_cache).__name__}")
+        self._fallback = Fallback(
+            self._policy,
+            capacity,
+            p,
+            unit,
+            processes=self._processes,
+            retry_interval=self._retry_interval,
+            clock=clock,
+        )
+        self._breaker = Breaker(
+            self._retry_interval,
+            f"{type(self).__name__}(prefix={prefix!r})",
+            self._fallback.description,
+        )
+        # Only on the store's clock: an injected clock (a ManualClock) may jump ahead
+        # of time.monotonic(), which the cache measures waits with.
+        self._refusals = RefusalCache() if refusal_cache and clock is None else None
+
     # -- read-only configuration -------------------------------------------------
 
     @property
@@ -255,10 +334,32 @@ class _RedisLimiter:
     def prefix(self) -> str:
         return self._prefix.decode("utf-8")
 
+    @property
+    def on_store_error(self) -> str:
+        return self._policy
+
+    @property
+    def processes(self) -> int:
+        return self._processes
+
+    @property
+    def retry_interval(self) -> float:
+        return self._retry_interval
+
+    @property
+    def refusal_cache(self) -> bool:
+        """Whether refusals are remembered (asked for, and the store's clock in use)."""
+        return self._refusals is not None
+
     def stats(self) -> dict[str, int]:
-        """Counters of this limiter object: ``allowed``, ``refused``, ``store_calls``
-        (commands sent) and ``script_loads`` (scripts re-sent after ``NOSCRIPT``)."""
-        return self._counters.snapshot()
+        """Counters of this limiter object: ``allowed`` and ``refused`` decisions,
+        ``store_calls`` (commands sent), ``script_loads`` (scripts re-sent after
+        ``NOSCRIPT``), ``store_errors`` (store faults, corrupt buckets included),
+        ``fallback_decisions`` (answers with ``degraded=True``), ``breaker_openings``
+        (outages) and ``refusal_cache_hits`` (refusals answered without the store)."""
+        stats = self._counters.snapshot()
+        stats["breaker_openings"] = self._breaker.openings
+        return stats
 
     def __repr__(self) -> str:
         return (
@@ -305,6 +406,97 @@ class _RedisLimiter:
         cost = _check_cost(cost, self._capacity)
         keys = [self._key(key)]
         return keys, [mode, cost, self._now(), *self._config_args]
+
+    def _check_call(self) -> tuple[list[bytes], list[Any]]:
+        """A peek at a key no bucket has (a bucket's key never ends with its ':')."""
+        return [self._prefix + b"{bucketlimit-check}:"], [_PEEK, 1, self._now(), *self._config_args]
+
+    # -- one call: the refusal cache, the breaker, the store, the policy ---------------
+    #
+    # The subclasses send (`_execute`); everything else is decided here, once.
+
+    def _begin(self, mode: bytes, key: str, cost: object) -> _Call | Decision | None:
+        """Validates a call and answers it when the store need not or cannot be asked."""
+        args: list[Any] = []
+        if mode == _RESET:
+            keys, charged = [self._key(key)], 0
+        else:
+            keys, args = self._call(mode, key, cost)
+            charged = args[1]
+        started = 0.0
+        if self._refusals is not None:
+            if mode in (_ALLOW, _PEEK):
+                started = time.monotonic()
+                cached = self._refusals.get(keys[0], charged, started)
+                if cached is not None:
+                    self._counters.cache_hit()
+                    return cached
+            else:
+                self._refusals.drop(keys[0])  # this process gives tokens back
+        if mode == _RESET:
+            self._fallback.reset(key)  # full again here too, for the next outage
+        return self._admit(_Call(mode, key, charged, keys, args, started=started))
+
+    def _admit(self, call: _Call) -> _Call | Decision | None:
+        call.gate = self._breaker.admit()
+        if call.gate is Gate.SKIP:
+            return self._without_store(call, None)
+        return call
+
+    def _answered(self, call: _Call, reply: Any) -> Decision | None:
+        self._breaker.succeeded(call.gate)
+        if call.mode in (_REFUND, _RESET):
+            return None
+        decision = _decision(reply)
+        if self._refusals is not None and call.checks is None:
+            if decision.allowed:
+                self._refusals.drop(call.keys[0])
+            else:
+                self._refusals.put(call.keys[0], call.cost, decision, call.started)
+        return decision
+
+    def _failed(self, call: _Call, error: BaseException) -> Decision | None:
+        """Answers a call whose command failed, or raises."""
+        kind = classify(error)
+        if kind == FAULT:
+            self._counters.store_error()
+            self._breaker.failed(call.gate, error)
+            return self._without_store(call, error)
+        if kind == CORRUPT:
+            # The store answered, so it works: no breaker; and never an allow.
+            self._counters.store_error()
+            self._breaker.succeeded(call.gate)
+            if self._raises(call):
+                raise error
+            if call.mode in (_REFUND, _RESET):
+                return None
+            self._counters.fallback()
+            return self._fallback.refusal()
+        self._breaker.release(call.gate)
+        if kind == CONFIG:
+            raise configuration_error(error) from error
+        raise error
+
+    def _raises(self, call: _Call) -> bool:
+        limiters = [self] if call.checks is None else [limiter for limiter, _ in call.checks]
+        return any(limiter._policy == RAISE for limiter in limiters)
+
+    def _without_store(self, call: _Call, error: BaseException | None) -> Decision | None:
+        """The policy's answer; ``error`` is None when the breaker skipped the store."""
+        if self._raises(call):
+            if error is not None:
+                raise error
+            raise StoreUnavailableError(self._breaker.describe())
+        if call.mode == _REFUND:
+            # Lost for the store, which keeps the charge: never more than the limit.
+            self._fallback.refund(call.key, call.cost)
+            return None
+        if call.mode == _RESET:
+            return None  # lost for the store; the local bucket is full already
+        self._counters.fallback()
+        if call.checks is not None:
+            return _fallback_all(call.checks, call.cost)
+        return self._fallback.decide(call.key, call.cost, peek=call.mode == _PEEK)
 
 
 def _plan_all(checks: Iterable[Any], cost: object) -> tuple[Any, list[bytes], list[Any]]:
@@ -363,6 +555,26 @@ def _plan_all(checks: Iterable[Any], cost: object) -> tuple[Any, list[bytes], li
     return limiters[0], keys, args
 
 
+def _fallback_all(checks: Sequence[tuple[_RedisLimiter, str]], cost: int) -> Decision:
+    """``allow_all`` without the store: each limiter's policy, combined as allow_all is.
+
+    Any ``"closed"`` limiter refuses the whole call; ``"open"`` ones allow their
+    part; the ``"local"`` ones decide together in process, all or nothing, charged
+    at most the smallest of their shares (one cost for all, as in ``allow_all``).
+    """
+    for limiter, _ in checks:
+        if limiter._policy == CLOSED:
+            return limiter._fallback.refusal()
+    local = []
+    for limiter, key in checks:
+        if limiter._fallback.local is not None:
+            local.append((limiter._fallback.local, key))
+    if not local:
+        return checks[0][0]._fallback.decide("", cost, peek=False)  # all "open"
+    shares = [limiter._fallback.share for limiter, _ in checks if limiter._policy == LOCAL]
+    return degraded(_core.allow_all(local, min(cost, *shares)))
+
+
 def _client_options(timeout: float, no_retries: Retry | AsyncRetry) -> dict[str, Any]:
     """What ``from_url`` gives a client: short timeouts, and a command that failed
     is never sent again (it may have run: a resend could charge twice)."""
@@ -385,6 +597,13 @@ class RedisTokenBucketLimiter(_RedisLimiter):
     :class:`bucketlimit.TokenBucketLimiter`; ``clock=None`` uses the server's time.
     ``prefix`` starts every key (no braces); ``hash_tag(key) -> str`` picks the
     Redis Cluster hash tag of a key (default: the key itself).
+
+    When the store fails: ``on_store_error`` is ``"local"`` (this process's share of
+    each bucket, with ``processes`` processes sharing the limit), ``"open"``,
+    ``"closed"`` or ``"raise"``; the store is then skipped for ``retry_interval``
+    seconds (0: never skipped). ``refusal_cache=False`` asks the store about every
+    call of a refused key. Nothing is sent at construction: the first call (or
+    :meth:`check`) connects.
     """
 
     _client: SyncClient
@@ -399,13 +618,28 @@ class RedisTokenBucketLimiter(_RedisLimiter):
         per: float | SupportsIndex = 1,
         prefix: str = "bucketlimit:",
         hash_tag: Callable[[str], str] | None = None,
+        on_store_error: str = LOCAL,
+        processes: SupportsIndex = 1,
+        retry_interval: float = 1.0,
+        refusal_cache: bool = True,
     ) -> None:
         if not isinstance(client, (redis.Redis, RedisCluster)):
             raise TypeError(
                 "client must be a redis.Redis or redis.cluster.RedisCluster "
                 f"(use AsyncRedisTokenBucketLimiter for asyncio clients), got {type(client)}"
             )
-        super().__init__(capacity, rate, clock, per=per, prefix=prefix, hash_tag=hash_tag)
+        super().__init__(
+            capacity,
+            rate,
+            clock,
+            per=per,
+            prefix=prefix,
+            hash_tag=hash_tag,
+            on_store_error=on_store_error,
+            processes=processes,
+            retry_interval=retry_interval,
+            refusal_cache=refusal_cache,
+        )
         self._client = client
 
     @classmethod
@@ -419,6 +653,10 @@ class RedisTokenBucketLimiter(_RedisLimiter):
         per: float | SupportsIndex = 1,
         prefix: str = "bucketlimit:",
         hash_tag: Callable[[str], str] | None = None,
+        on_store_error: str = LOCAL,
+        processes: SupportsIndex = 1,
+        retry_interval: float = 1.0,
+        refusal_cache: bool = True,
         cluster: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> RedisTokenBucketLimiter:
@@ -430,7 +668,19 @@ class RedisTokenBucketLimiter(_RedisLimiter):
             client = RedisCluster.from_url(url, **options)
         else:
             client = redis.Redis.from_url(url, **options)
-        return cls(client, capacity, rate, clock, per=per, prefix=prefix, hash_tag=hash_tag)
+        return cls(
+            client,
+            capacity,
+            rate,
+            clock,
+            per=per,
+            prefix=prefix,
+            hash_tag=hash_tag,
+            on_store_error=on_store_error,
+            processes=processes,
+            retry_interval=retry_interval,
+            refusal_cache=refusal_cache,
+        )
 
     @property
     def client(self) -> SyncClient:
@@ -448,32 +698,69 @@ class RedisTokenBucketLimiter(_RedisLimiter):
                 self._counters.call(reload=True)
                 return self._client.eval(script.source, len(keys), *keys, *args)
         except ResponseError as e:
-            raise _store_error(e, keys) from e
+            raise store_error(e, keys) from e
+
+    def _execute(self, call: _Call | Decision | None) -> Decision | None:
+        """Sends a call :meth:`_begin` did not answer, and answers it."""
+        if not isinstance(call, _Call):
+            return call
+        try:
+            if call.mode == _RESET:
+                self._counters.call()
+                reply = self._client.delete(*call.keys)
+            else:
+                reply = self._run(call.keys, call.args)
+        except BaseException as error:
+            return self._failed(call, error)
+        return self._answered(call, reply)
 
     def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
-        decision = _decision(self._run(*self._call(_ALLOW, key, cost)))
+        decision = self._execute(self._begin(_ALLOW, key, cost))
+        assert decision is not None  # allow always decides
         self._counters.decided(decision.allowed)
         return decision
 
     def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """What ``allow`` would answer now; writes nothing."""
-        return _decision(self._run(*self._call(_PEEK, key, cost)))
+        decision = self._execute(self._begin(_PEEK, key, cost))
+        assert decision is not None  # peek always decides
+        return decision
 
     def refund(self, key: str, cost: SupportsIndex) -> None:
         """Gives back ``cost`` tokens reserved but not used; never above capacity."""
-        self._run(*self._call(_REFUND, key, cost))
+        self._execute(self._begin(_REFUND, key, cost))
 
     def reset(self, key: str) -> None:
         """Makes the key's bucket full again (deletes it)."""
-        bucket = self._key(key)
-        self._counters.call()
-        self._client.delete(bucket)
+        self._execute(self._begin(_RESET, key, None))
+
+    def check(self) -> None:
+        """Asks the store now: connects, authenticates, runs the script (a peek at a
+        key no bucket uses, so nothing is written) and reads the server's version.
+
+        Raises :class:`ConfigurationError` for what no retry will fix, and the
+        client's error when the store cannot be reached: ``on_store_error`` does not
+        apply. Call it at start-up to fail early; the limiter never calls it.
+        """
+        keys, args = self._check_call()
+        try:
+            self._run(keys, args)
+            try:
+                info: object = self._client.info("server")
+            except NoPermissionError:
+                info = None  # INFO forbidden: the script ran, which is what counts
+        except Exception as e:
+            if classify(e) == CONFIG:
+                raise configuration_error(e) from e
+            raise
+        check_version(info)
 
 
 class AsyncRedisTokenBucketLimiter(_RedisLimiter):
     """:class:`RedisTokenBucketLimiter` for ``redis.asyncio`` clients: the methods
-    that talk to Redis are coroutines. Same buckets, keys and answers."""
+    that talk to Redis are coroutines. Same buckets, keys, answers and failure
+    handling (the breaker and caches take no lock across an ``await``)."""
 
     _client: AsyncClient
 
@@ -487,13 +774,28 @@ class AsyncRedisTokenBucketLimiter(_RedisLimiter):
         per: float | SupportsIndex = 1,
         prefix: str = "bucketlimit:",
         hash_tag: Callable[[str], str] | None = None,
+        on_store_error: str = LOCAL,
+        processes: SupportsIndex = 1,
+        retry_interval: float = 1.0,
+        refusal_cache: bool = True,
     ) -> None:
         if not isinstance(client, (redis.asyncio.Redis, AsyncRedisCluster)):
             raise TypeError(
                 "client must be a redis.asyncio.Redis or redis.asyncio.RedisCluster "
                 f"(use RedisTokenBucketLimiter for blocking clients), got {type(client)}"
             )
-        super().__init__(capacity, rate, clock, per=per, prefix=prefix, hash_tag=hash_tag)
+        super().__init__(
+            capacity,
+            rate,
+            clock,
+            per=per,
+            prefix=prefix,
+            hash_tag=hash_tag,
+            on_store_error=on_store_error,
+            processes=processes,
+            retry_interval=retry_interval,
+            refusal_cache=refusal_cache,
+        )
         self._client = client
 
     @classmethod
@@ -507,6 +809,10 @@ class AsyncRedisTokenBucketLimiter(_RedisLimiter):
         per: float | SupportsIndex = 1,
         prefix: str = "bucketlimit:",
         hash_tag: Callable[[str], str] | None = None,
+        on_store_error: str = LOCAL,
+        processes: SupportsIndex = 1,
+        retry_interval: float = 1.0,
+        refusal_cache: bool = True,
         cluster: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> AsyncRedisTokenBucketLimiter:
@@ -517,7 +823,19 @@ class AsyncRedisTokenBucketLimiter(_RedisLimiter):
             client = AsyncRedisCluster.from_url(url, **options)
         else:
             client = redis.asyncio.Redis.from_url(url, **options)
-        return cls(client, capacity, rate, clock, per=per, prefix=prefix, hash_tag=hash_tag)
+        return cls(
+            client,
+            capacity,
+            rate,
+            clock,
+            per=per,
+            prefix=prefix,
+            hash_tag=hash_tag,
+            on_store_error=on_store_error,
+            processes=processes,
+            retry_interval=retry_interval,
+            refusal_cache=refusal_cache,
+        )
 
     @property
     def client(self) -> AsyncClient:
@@ -535,27 +853,57 @@ class AsyncRedisTokenBucketLimiter(_RedisLimiter):
                 self._counters.call(reload=True)
                 return await self._client.eval(script.source, len(keys), *keys, *args)
         except ResponseError as e:
-            raise _store_error(e, keys) from e
+            raise store_error(e, keys) from e
+
+    async def _execute(self, call: _Call | Decision | None) -> Decision | None:
+        """Sends a call :meth:`_begin` did not answer, and answers it."""
+        if not isinstance(call, _Call):
+            return call
+        try:
+            if call.mode == _RESET:
+                self._counters.call()
+                reply = await self._client.delete(*call.keys)
+            else:
+                reply = await self._run(call.keys, call.args)
+        except BaseException as error:  # CancelledError too: a probe must be released
+            return self._failed(call, error)
+        return self._answered(call, reply)
 
     async def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
-        decision = _decision(await self._run(*self._call(_ALLOW, key, cost)))
+        decision = await self._execute(self._begin(_ALLOW, key, cost))
+        assert decision is not None  # allow always decides
         self._counters.decided(decision.allowed)
         return decision
 
     async def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """What ``allow`` would answer now; writes nothing."""
-        return _decision(await self._run(*self._call(_PEEK, key, cost)))
+        decision = await self._execute(self._begin(_PEEK, key, cost))
+        assert decision is not None  # peek always decides
+        return decision
 
     async def refund(self, key: str, cost: SupportsIndex) -> None:
         """Gives back ``cost`` tokens reserved but not used; never above capacity."""
-        await self._run(*self._call(_REFUND, key, cost))
+        await self._execute(self._begin(_REFUND, key, cost))
 
     async def reset(self, key: str) -> None:
         """Makes the key's bucket full again (deletes it)."""
-        bucket = self._key(key)
-        self._counters.call()
-        await self._client.delete(bucket)
+        await self._execute(self._begin(_RESET, key, None))
+
+    async def check(self) -> None:
+        """:meth:`RedisTokenBucketLimiter.check`, awaited."""
+        keys, args = self._check_call()
+        try:
+            await self._run(keys, args)
+            try:
+                info: object = await self._client.info("server")
+            except NoPermissionError:
+                info = None  # INFO forbidden: the script ran, which is what counts
+        except Exception as e:
+            if classify(e) == CONFIG:
+                raise configuration_error(e) from e
+            raise
+        check_version(info)
 
 
 def allow_all(
@@ -567,7 +915,11 @@ def allow_all(
     limiter, keys, args = _plan_all(checks, cost)
     if not isinstance(limiter, RedisTokenBucketLimiter):
         raise TypeError("allow_all takes RedisTokenBucketLimiter instances here")
-    return _count_all(checks, _decision(limiter._run(keys, args)))
+    # Sent through the first limiter: its breaker, its policy for the store's faults.
+    call = _Call(_ALLOW, "", args[1], keys, args, checks=checks)
+    decision = limiter._execute(limiter._admit(call))
+    assert decision is not None  # an allow always decides
+    return _count_all(checks, decision)
 
 
 async def allow_all_async(
@@ -578,7 +930,10 @@ async def allow_all_async(
     limiter, keys, args = _plan_all(checks, cost)
     if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
         raise TypeError("allow_all_async takes AsyncRedisTokenBucketLimiter instances")
-    return _count_all(checks, _decision(await limiter._run(keys, args)))
+    call = _Call(_ALLOW, "", args[1], keys, args, checks=checks)
+    decision = await limiter._execute(limiter._admit(call))
+    assert decision is not None  # an allow always decides
+    return _count_all(checks, decision)
 
 
 def _route_allow_all(checks: list[Any], cost: object) -> Any:

@@ -1,0 +1,199 @@
+"""What an error from the Redis client means to a limiter (DESIGN §6), decided once.
+
+:func:`classify` sorts every error a command can raise into four kinds:
+
+- ``FAULT``: the store is down, slow, or cannot serve now (connection errors,
+  timeouts, ``BUSY``, ``LOADING``, ``READONLY``, ``OOM``, ``MISCONF``,
+  ``CLUSTERDOWN``, ``MASTERDOWN``, ``TRYAGAIN``): the ``on_store_error`` policy
+  answers and the breaker opens.
+- ``CORRUPT``: a bucket's key holds something that is not a bucket: a store fault
+  that is never an allow.
+- ``CONFIG``: no retry will fix it (credentials, ACLs, a cluster behind a plain
+  client, a server too old for the script): :class:`ConfigurationError`, whatever
+  the policy, so a misconfigured limiter never silently fails open.
+- ``OTHER``: not the store's doing (a bug, a cancellation): raised as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Final
+
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    ClusterCrossSlotError,
+    ClusterError,
+    ExternalAuthProviderError,
+    InvalidResponse,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+
+class CorruptBucketError(ResponseError):
+    """A bucket's key holds a value the script does not recognise as a bucket.
+
+    Such a value is never read as an allow. It is a store fault, counted in
+    ``stats()["store_errors"]``: under ``on_store_error="raise"`` the call raises
+    this error; under every other policy the call is refused (``degraded=True``).
+    It is a ``redis.exceptions.ResponseError``, so code catching store errors sees it.
+    """
+
+
+class ConfigurationError(Exception):
+    """Redis refused the limiter's commands for a reason no retry will fix.
+
+    Wrong credentials, an ACL that forbids EVALSHA, EVAL or the limiter's keys, a
+    Redis Cluster node behind a plain client, a server that cannot run the script
+    (too old, scripting renamed away), something that does not speak Redis. It is
+    raised at first use (or by ``check()``) whatever ``on_store_error`` says, so a
+    misconfigured limiter never silently admits everything; the client's error is
+    its ``__cause__``.
+    """
+
+
+class StoreUnavailableError(RedisConnectionError):
+    """Under ``on_store_error="raise"``: the store failed moments ago and the breaker
+    skips it until ``retry_interval`` has passed, so no command was sent.
+
+    A ``redis.exceptions.ConnectionError``, so code catching the client's errors
+    catches it too.
+    """
+
+
+# The public errors are documented and raised as bucketlimit.redis's.
+for _error in (CorruptBucketError, ConfigurationError, StoreUnavailableError):
+    _error.__module__ = "bucketlimit.redis"
+
+#: Writes after TIME in a script need effects replication, the default since 5.0.
+MIN_VERSION: Final = (5, 0)
+MIN_VERSION_TEXT: Final = "5.0"
+
+# How an error from the client is handled (see classify).
+FAULT: Final = "fault"  # the store is down, slow or cannot serve now: the policy answers
+CORRUPT: Final = "corrupt"  # a bucket's key holds something else: refused, never allowed
+CONFIG: Final = "configuration"  # no retry will fix it: ConfigurationError
+OTHER: Final = "other"  # not the store's doing (a bug, a cancellation): raised as is
+
+# Checked before FAULT_ERRORS: redis-py's authentication errors are ConnectionErrors.
+_CONFIG_ERRORS: Final = (
+    AuthenticationError,  # NOAUTH, WRONGPASS, invalid password
+    AuthenticationWrongNumberOfArgsError,
+    AuthorizationError,
+    ExternalAuthProviderError,
+    NoPermissionError,  # NOPERM: an ACL forbids a command or a key
+    AskError,  # MOVED or ASK: a cluster node behind a plain redis.Redis
+    ClusterCrossSlotError,  # CROSSSLOT: keys of one call in different slots
+    InvalidResponse,  # whatever answers does not speak the Redis protocol
+)
+FAULT_ERRORS: Final = (
+    RedisConnectionError,  # refused, reset, closed; LOADING (BusyLoadingError); max clients
+    RedisTimeoutError,
+    ReadOnlyError,  # a replica after a failover
+    OutOfMemoryError,  # OOM: maxmemory reached
+    ClusterError,  # CLUSTERDOWN, MASTERDOWN, redirections exhausted
+    TryAgainError,  # TRYAGAIN: a slot being migrated
+    SlotNotCoveredError,
+    OSError,
+    asyncio.TimeoutError,  # not an OSError before Python 3.11
+)
+# Error replies redis-py has no class for, by their first word.
+FAULT_REPLIES: Final = ("BUSY ", "LOADING ", "MISCONF ", "NOREPLICAS ", "MASTERDOWN ")
+_TOO_OLD_REPLIES: Final = ("unknown command", "unknown subcommand")
+
+
+def classify(error: BaseException) -> str:
+    """Whether ``error`` is a store fault, a corrupt bucket, a configuration error or other."""
+    if isinstance(error, CorruptBucketError):
+        return CORRUPT
+    if isinstance(error, _CONFIG_ERRORS):
+        return CONFIG
+    if isinstance(error, FAULT_ERRORS):
+        return FAULT
+    if isinstance(error, RedisClusterException):
+        return CONFIG  # the cluster client refused the command before sending it
+    if isinstance(error, ResponseError):
+        reply = str(error)
+        if reply.startswith(FAULT_REPLIES):
+            return FAULT
+        # EVALSHA renamed away, or Redis < 5 refusing writes after TIME in a script.
+        if reply.startswith(_TOO_OLD_REPLIES) or "non deterministic" in reply:
+            return CONFIG
+    return OTHER
+
+
+def configuration_error(error: BaseException) -> ConfigurationError:
+    if isinstance(error, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+        hint = "check the client's username and password"
+    elif isinstance(error, (NoPermissionError, AuthorizationError)):
+        hint = "the Redis user needs EVALSHA, EVAL and DEL on keys starting with the prefix"
+    elif isinstance(error, (AskError, ClusterCrossSlotError, RedisClusterException)):
+        hint = (
+            "this is a Redis Cluster: use redis.cluster.RedisCluster (or its asyncio twin), "
+            "and keep the keys of one allow_all in one hash slot"
+        )
+    elif isinstance(error, InvalidResponse):
+        hint = "the server at this address does not speak the Redis protocol"
+    else:
+        hint = f"the script needs Redis {MIN_VERSION_TEXT} or later, with EVALSHA and EVAL"
+    return ConfigurationError(
+        f"Redis refused bucketlimit's commands ({type(error).__name__}: {error}): {hint}. "
+        "This is a configuration error, not an outage: on_store_error does not apply"
+    )
+
+
+def check_version(info: object) -> None:
+    """Raises ConfigurationError when INFO says the server is older than 5.0.
+
+    ``info`` is ``INFO server`` as a dict, or a dict of them (one per cluster node).
+    """
+    if not isinstance(info, dict):
+        return
+    nodes = [info] if "redis_version" in info else list(info.values())
+    for node in nodes:
+        if not isinstance(node, dict) or "redis_version" not in node:
+            continue
+        text = str(node["redis_version"])
+        try:
+            version = tuple(int(part) for part in text.split(".")[:2])
+        except ValueError:
+            continue  # not a version we can read: the script ran, which is what counts
+        if version < MIN_VERSION:
+            raise ConfigurationError(
+                f"Redis {text} is too old: bucketlimit's script needs Redis "
+                f"{MIN_VERSION_TEXT} or later (it writes after reading TIME)"
+            )
+
+
+# The start of the error reply the script gives for a value that is not a bucket.
+_CORRUPT_REPLY: Final = "BUCKETLIMIT corrupt"
+
+
+def store_error(error: ResponseError, keys: list[bytes]) -> ResponseError:
+    """A reply saying a bucket's key holds something else, as a :class:`CorruptBucketError`.
+
+    The script reports a string that is not a bucket by the key's position (a key
+    may hold "\\r\\n", which an error reply cannot carry); Redis reports any
+    other type (a list, a hash) as ``WRONGTYPE``, without saying which key.
+    """
+    message = str(error)
+    position = re.match(_CORRUPT_REPLY + r" bucket value in key (\d+) ", message)
+    if position:
+        return CorruptBucketError(
+            f"the value at {keys[int(position[1]) - 1]!r} is not a bucketlimit bucket"
+        )
+    if message.startswith("WRONGTYPE"):
+        where = repr(keys[0]) if len(keys) == 1 else f"one of {keys!r}"
+        return CorruptBucketError(f"the value at {where} is not a bucketlimit bucket: {message}")
+    return error

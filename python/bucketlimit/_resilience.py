@@ -1,0 +1,370 @@
+"""What a distributed limiter does when its store fails (DESIGN §6), apart from the store.
+
+Three small parts, shared by the sync and the asyncio Redis limiters, which know
+nothing of Redis here:
+
+- :class:`Breaker`: after a store failure, skip the store for ``retry_interval``
+  seconds, then let exactly one call probe it; the others keep answering without
+  the store while the probe is out. An outage costs one timeout per interval.
+- :class:`RefusalCache`: a key the store refused stays refused here, without a
+  round trip, for the wait the store gave (at most :data:`REFUSAL_CACHE_MAX_AGE`).
+- :class:`Fallback`: the answer of the ``on_store_error`` policy.
+
+Times here are ``time.monotonic()``: a limiter's injected clock (a ``ManualClock``
+in a test) measures buckets, not outages.
+
+Every lock here guards a few fields for a few instructions: none is ever held
+across a network call or an ``await``, and nothing is logged under one.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import math
+import operator
+import threading
+import time
+from collections.abc import Callable
+from typing import Final
+
+from bucketlimit._core import Decision, TokenBucketLimiter
+
+logger = logging.getLogger("bucketlimit")
+
+#: The ``on_store_error`` policies.
+LOCAL: Final = "local"
+OPEN: Final = "open"
+CLOSED: Final = "closed"
+RAISE: Final = "raise"
+POLICIES: Final = (LOCAL, OPEN, CLOSED, RAISE)
+
+#: Refused keys remembered at most (oldest dropped first): about 250 bytes each,
+#: whatever the key's length (a key is remembered by a 16-byte digest).
+REFUSAL_CACHE_SIZE: Final = 10_000
+
+#: Seconds a remembered refusal is trusted at most, however long the store said
+#: to wait: this bounds the one staleness of the cache (tokens given back by
+#: another process, by ``reset`` or ``refund``) and still turns a flood from one
+#: refused key into at most one store command per second and process.
+REFUSAL_CACHE_MAX_AGE: Final = 1.0
+
+
+def _less(wait: float, elapsed: float) -> float:
+    """A wait from the store (whole µs, or inf) less ``elapsed`` seconds, in whole µs.
+
+    ``elapsed`` is rounded to the nearest µs: it is a difference of two float clock
+    readings, a hair off (0.2 reads 0.1999999999999993).
+    """
+    if math.isinf(wait):
+        return wait
+    return max(0, round(wait * 1_000_000) - round(elapsed * 1_000_000)) / 1_000_000
+
+
+# The limiters' failure settings, checked as the core checks its own (DESIGN §3):
+# TypeError for the wrong type, ValueError for the wrong value.
+
+
+def check_processes(processes: object) -> int:
+    if isinstance(processes, (bool, float)):
+        raise TypeError(f"processes must be an int, got {type(processes).__name__}")
+    try:
+        value = operator.index(processes)  # type: ignore[arg-type]  # checked by the call
+    except TypeError:
+        raise TypeError(f"processes must be an int, got {type(processes).__name__}") from None
+    if value < 1:
+        raise ValueError(f"processes must be >= 1, got {value}")
+    return value
+
+
+def check_retry_interval(retry_interval: object) -> float:
+    if isinstance(retry_interval, bool) or not isinstance(retry_interval, (int, float)):
+        raise TypeError(
+            f"retry_interval must be an int or float, got {type(retry_interval).__name__}"
+        )
+    if not 0 <= retry_interval < math.inf:
+        raise ValueError(
+            f"retry_interval must be finite and >= 0 (seconds), got {retry_interval!r}"
+        )
+    return float(retry_interval)
+
+
+def check_policy(on_store_error: object) -> str:
+    if not isinstance(on_store_error, str):
+        raise TypeError(f"on_store_error must be a str, got {type(on_store_error).__name__}")
+    if on_store_error not in POLICIES:
+        raise ValueError(
+            f"on_store_error must be one of {', '.join(map(repr, POLICIES))}, "
+            f"got {on_store_error!r}"
+        )
+    return on_store_error
+
+
+class Gate(enum.Enum):
+    """What the breaker lets a call do."""
+
+    STORE = "store"  # the breaker is closed: ask the store
+    PROBE = "probe"  # the breaker is open and this call is the one probing the store
+    SKIP = "skip"  # the breaker is open: answer without the store
+
+
+class Breaker:
+    """Skips a failing store for ``retry_interval`` seconds, then lets one call probe it.
+
+    Any answer from the store closes the breaker; a store failure opens it (or,
+    for a failed probe, keeps it open for another interval). Opening logs one
+    WARNING and closing one INFO line per outage, on the ``bucketlimit`` logger.
+    ``retry_interval == 0`` turns the skipping off: every call asks the store
+    (the outage is still counted and logged once).
+    """
+
+    def __init__(
+        self,
+        retry_interval: float,
+        name: str,
+        fallback: str,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.retry_interval = retry_interval
+        self._monotonic = monotonic  # a parameter for the tests; never the limiter's clock
+        self._name = name  # says which limiter in the logs
+        self._fallback = fallback  # says what answers meanwhile, in the logs
+        self._lock = threading.Lock()
+        self._open = False
+        self._probing = False
+        self._retry_at = 0.0  # time.monotonic() at which a probe may go
+        self._opened_at = 0.0
+        self._skipped = 0  # calls answered without the store in this outage
+        self._last_error = ""
+        self.openings = 0
+
+    def admit(self) -> Gate:
+        # Unlocked fast path: a call racing with the opening is the call that was
+        # already on its way when the store failed (at most one per thread).
+        if not self._open or self.retry_interval == 0:
+            return Gate.STORE
+        with self._lock:
+            if not self._open:
+                return Gate.STORE
+            if self._probing or self._monotonic() < self._retry_at:
+                self._skipped += 1
+                return Gate.SKIP
+            self._probing = True
+            return Gate.PROBE
+
+    def succeeded(self, gate: Gate) -> None:
+        """The store answered (even with an error reply about one key)."""
+        if not self._open and gate is not Gate.PROBE:
+            return
+        with self._lock:
+            if gate is Gate.PROBE:
+                self._probing = False
+            if not self._open:
+                return
+            self._open = False
+            outage = self._monotonic() - self._opened_at
+            skipped, self._skipped = self._skipped, 0
+        logger.info(
+            "%s: the store answers again after %.1f s; %d calls were answered without it",
+            self._name,
+            outage,
+            skipped,
+        )
+
+    def failed(self, gate: Gate, error: BaseException) -> None:
+        """The store failed (a timeout, a lost connection, a busy or read-only server)."""
+        now = self._monotonic()
+        with self._lock:
+            if gate is Gate.PROBE:
+                self._probing = False
+            self._retry_at = now + self.retry_interval
+            self._last_error = f"{type(error).__name__}: {error}"
+            if self._open:
+                return
+            self._open = True
+            self._opened_at = now
+            self.openings += 1
+        logger.warning(
+            "%s: the store failed (%s); %s until one call asks it again after %g s",
+            self._name,
+            self._last_error,
+            self._fallback,
+            self.retry_interval,
+        )
+
+    def release(self, gate: Gate) -> None:
+        """The call ended without telling whether the store works (cancelled, or an
+        error that is not a store failure): another call may probe."""
+        if gate is Gate.PROBE:
+            with self._lock:
+                self._probing = False
+
+    def describe(self) -> str:
+        """Why a call was not sent, for the error raised under ``on_store_error="raise"``."""
+        now = self._monotonic()
+        with self._lock:
+            since = now - self._opened_at
+            wait = max(0.0, self._retry_at - now)
+            last = self._last_error
+        return (
+            f"{self._name}: the store failed {since:.1f} s ago ({last}); it is asked again "
+            f"in {wait:.1f} s (retry_interval={self.retry_interval:g})"
+        )
+
+
+class _Refusal:
+    __slots__ = ("cost", "decision", "expires", "started")
+
+    def __init__(self, cost: int, decision: Decision, started: float, expires: float) -> None:
+        self.cost = cost
+        self.decision = decision
+        self.started = started
+        self.expires = expires
+
+
+class RefusalCache:
+    """Keys the store refused, refused again here until their wait has passed.
+
+    Sound because tokens only appear by refill: if the store refused ``cost`` and
+    said to wait ``r``, the same or a larger cost cannot pass before ``r`` has
+    passed, whatever other processes do, except give tokens back (``reset``,
+    ``refund``). ``started`` is read before the command is sent, so a slow reply
+    never stretches the wait. Bounded: :data:`REFUSAL_CACHE_SIZE` keys, oldest
+    first out; an entry lives at most :data:`REFUSAL_CACHE_MAX_AGE` seconds.
+    """
+
+    def __init__(
+        self, size: int = REFUSAL_CACHE_SIZE, max_age: float = REFUSAL_CACHE_MAX_AGE
+    ) -> None:
+        self._size = size
+        self._max_age = max_age
+        self._lock = threading.Lock()
+        # Insertion-ordered: the first entry is the oldest.
+        self._entries: dict[bytes, _Refusal] = {}
+
+    @staticmethod
+    def _digest(key: bytes) -> bytes:
+        # Keys may be 4 KB long; a 128-bit digest bounds memory per entry.
+        return hashlib.blake2b(key, digest_size=16).digest()
+
+    def get(self, key: bytes, cost: int, now: float) -> Decision | None:
+        """The refusal still in force for ``key`` at ``cost``, with the wait left."""
+        if not self._entries:
+            return None  # the common case: no digest to compute
+        digest = self._digest(key)
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is None:
+                return None
+            if now >= entry.expires:
+                del self._entries[digest]
+                return None
+        if cost < entry.cost:
+            return None  # a smaller cost might pass: only the store knows
+        stored = entry.decision
+        elapsed = now - entry.started
+        retry_after = _less(stored.retry_after, elapsed)
+        reset_after = max(retry_after, _less(stored.reset_after, elapsed))
+        return Decision(False, retry_after, stored.remaining, reset_after, stored.limit)
+
+    def put(self, key: bytes, cost: int, refusal: Decision, started: float) -> None:
+        lifetime = min(refusal.retry_after, self._max_age)
+        if not lifetime > 0:
+            return
+        digest = self._digest(key)
+        entry = _Refusal(cost, refusal, started, started + lifetime)
+        with self._lock:
+            self._entries.pop(digest, None)  # re-inserted last: the newest
+            self._entries[digest] = entry
+            if len(self._entries) > self._size:
+                del self._entries[next(iter(self._entries))]
+
+    def drop(self, key: bytes) -> None:
+        if not self._entries:
+            return  # the common case: no digest to compute
+        digest = self._digest(key)
+        with self._lock:
+            self._entries.pop(digest, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Fallback:
+    """The answers of an ``on_store_error`` policy other than ``"raise"``.
+
+    - ``"local"``: an in-process bucket per key holding this process's share,
+      ``max(1, capacity // processes)`` tokens refilled at exactly
+      ``rate / processes``, on the limiter's clock; a cost above the share (legal,
+      since it is at most the capacity) is charged at the share.
+    - ``"open"``: allowed.
+    - ``"closed"``: refused; ``retry_after`` is ``retry_interval``, when the store
+      is asked again.
+
+    Every answer has ``degraded=True``. Nothing is known of the shared bucket, so
+    ``open`` and ``closed`` report ``remaining=0`` and ``limit=capacity``.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        capacity: int,
+        p: int,
+        unit: int,
+        *,
+        processes: int,
+        retry_interval: float,
+        clock: Callable[[], float] | None,
+    ) -> None:
+        self.policy = policy
+        self.capacity = capacity
+        self.share = max(1, capacity // processes)
+        self.local: TokenBucketLimiter | None = None
+        if policy == LOCAL:
+            # p units a microsecond with unit = q * 10**6 units a token is p/q tokens
+            # a second; p per q*processes seconds is exactly the share of the rate.
+            per = unit // 1_000_000 * processes
+            try:
+                self.local = TokenBucketLimiter(self.share, p, clock, per=per)
+            except ValueError as e:
+                raise ValueError(
+                    f"processes={processes}: the local fallback's share of the rate "
+                    f"({p} tokens per {per} s) is beyond the exact range: {e}"
+                ) from None
+        #: What answers while the store is skipped, for the breaker's log line.
+        self.description = {
+            LOCAL: "calls are answered from this process's share of each bucket",
+            OPEN: "calls are allowed",
+            CLOSED: "calls are refused",
+            RAISE: "calls raise StoreUnavailableError",
+        }[policy]
+        wait = float(retry_interval)
+        self._open = Decision(True, 0.0, 0, 0.0, capacity, True)
+        self._closed = Decision(False, wait, 0, wait, capacity, True)
+
+    def refusal(self) -> Decision:
+        """A refusal without the store: ``closed``, and a corrupt bucket under any policy."""
+        return self._closed
+
+    def decide(self, key: str, cost: int, *, peek: bool) -> Decision:
+        if self.local is None:
+            return self._open if self.policy == OPEN else self._closed
+        charged = min(cost, self.share)
+        answer = self.local.peek(key, charged) if peek else self.local.allow(key, charged)
+        return degraded(answer)
+
+    def refund(self, key: str, cost: int) -> None:
+        if self.local is not None:
+            self.local.refund(key, min(cost, self.share))
+
+    def reset(self, key: str) -> None:
+        if self.local is not None:
+            self.local.reset(key)
+
+
+def degraded(decision: Decision) -> Decision:
+    """``decision`` marked as taken without the store."""
+    d = decision
+    return Decision(d.allowed, d.retry_after, d.remaining, d.reset_after, d.limit, True)
