@@ -8,6 +8,7 @@ True
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, SupportsIndex, overload
@@ -17,6 +18,11 @@ from bucketlimit._core import MAX_KEY_BYTES, Decision, TokenBucketLimiter, __ver
 
 if TYPE_CHECKING:
     from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
+
+# A library leaves output to the application: its records (rare: a full
+# max_keys table, a store outage) go wherever the application's logging sends
+# them, and nowhere when it has configured none.
+logging.getLogger("bucketlimit").addHandler(logging.NullHandler())
 
 __all__ = ["MAX_KEY_BYTES", "Decision", "TokenBucketLimiter", "__version__", "allow_all"]
 
