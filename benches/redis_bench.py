@@ -122,35 +122,58 @@ def baseline_rows(port: int, loop: asyncio.AbstractEventLoop) -> list[Row]:
     ]
 
 
+# The commands any token bucket on the server's clock needs, and nothing else:
+# read the clock, read the bucket, write it back with a TTL. What separates
+# this row from the trivial one is Redis's own cost of those three commands.
+COMMANDS_ONLY = """
+local t = redis.call('TIME')
+local value = redis.call('GET', KEYS[1])
+redis.call('SET', KEYS[1], '999999999999999 1780000000000000', 'PX', '60000')
+return {0, 999, 1000}
+"""
+
+
 def bucketlimit_rows(port: int, q: peers.Quota, loop: asyncio.AbstractEventLoop) -> list[Row]:
     """bucketlimit's own script called raw, then through its limiter classes."""
-    from importlib.resources import files
-
     from bucketlimit import _core
 
     rows = []
     client = peers.redis_client(port)
     try:
-        script = files("bucketlimit").joinpath("lua/bucket.lua").read_text()
-    except FileNotFoundError:
-        print("  note: bucketlimit has no lua/bucket.lua yet; its Redis rows are skipped")
+        from bucketlimit.redis import _BUCKET_SCRIPT, _specialize
+    except ImportError as e:
+        print(
+            f"  note: bucketlimit.redis has no per-limiter script ({e}); its Redis rows are skipped"
+        )
         return []
-    sha = client.script_load(script)
     capacity, per_micro, unit = _core.exact_units(q.capacity, q.rate, per=q.per)
-    evalsha = client.evalsha
+    # The script exactly as RedisTokenBucketLimiter sends it: its own form, the
+    # configuration written in, no argument for a cost of 1.
+    sha = client.script_load(_specialize(_BUCKET_SCRIPT.source, capacity, unit, per_micro))
+    commands_only = client.script_load(COMMANDS_ONLY)
+    execute = client.execute_command
 
     def raw(key: str) -> list[int]:
-        # Argument layout of lua/bucket.lua: mode, cost, then per key
-        # now ('' = the server's TIME), capacity, unit, p.
-        return evalsha(sha, 1, "raw:" + key, "a", 1, "", capacity, unit, per_micro)  # type: ignore[no-any-return]
+        return execute("EVALSHA", sha, 1, "raw:" + key)  # type: ignore[no-any-return]
 
     def raw_cost(key: str, cost: int) -> list[int]:
-        return evalsha(sha, 1, "raw:" + key, "a", cost, "", capacity, unit, per_micro)  # type: ignore[no-any-return]
+        return execute("EVALSHA", sha, 1, "raw:" + key, cost)  # type: ignore[no-any-return]
+
+    def floor(key: str) -> list[int]:
+        return execute("EVALSHA", commands_only, 1, "floor:" + key)  # type: ignore[no-any-return]
 
     rows.append(
         sync_row(
+            "EVALSHA TIME + GET + SET PX script (no arithmetic)",
+            peers.Subject(floor, lambda k, _c: floor(k), allowed=lambda r: r[0] == 0),  # type: ignore[index]
+            "baseline",
+        )
+    )
+    rows.append(
+        sync_row(
             "EVALSHA bucketlimit script (raw)",
-            peers.Subject(raw, raw_cost, allowed=lambda r: bool(r[0])),  # type: ignore[index]
+            # The reply is {retry_after_us, remaining, reset_after_us}: 0 means allowed.
+            peers.Subject(raw, raw_cost, allowed=lambda r: r[0] == 0),  # type: ignore[index]
             "us-raw",
         )
     )

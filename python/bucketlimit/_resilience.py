@@ -132,10 +132,12 @@ class Breaker:
         self._name = name  # says which limiter in the logs
         self._fallback = fallback  # says what answers meanwhile, in the logs
         self._lock = threading.Lock()
-        self._open = False
+        # Read without the lock by the limiters' common case: while it is False a
+        # call goes to the store with no other step (admit() would say STORE).
+        self.open = False
         self._probing = False
         self._retry_at = 0.0  # time.monotonic() at which a probe may go
-        self._opened_at = 0.0
+        self.opened_at = 0.0
         self._skipped = 0  # calls answered without the store in this outage
         self._last_error = ""
         self.openings = 0
@@ -143,10 +145,10 @@ class Breaker:
     def admit(self) -> Gate:
         # Unlocked fast path: a call racing with the opening is the call that was
         # already on its way when the store failed (at most one per thread).
-        if not self._open or self.retry_interval == 0:
+        if not self.open or self.retry_interval == 0:
             return Gate.STORE
         with self._lock:
-            if not self._open:
+            if not self.open:
                 return Gate.STORE
             if self._probing or self._monotonic() < self._retry_at:
                 self._skipped += 1
@@ -156,15 +158,15 @@ class Breaker:
 
     def succeeded(self, gate: Gate) -> None:
         """The store answered (even with an error reply about one key)."""
-        if not self._open and gate is not Gate.PROBE:
+        if not self.open and gate is not Gate.PROBE:
             return
         with self._lock:
             if gate is Gate.PROBE:
                 self._probing = False
-            if not self._open:
+            if not self.open:
                 return
-            self._open = False
-            outage = self._monotonic() - self._opened_at
+            self.open = False
+            outage = self._monotonic() - self.opened_at
             skipped, self._skipped = self._skipped, 0
         logger.info(
             "%s: the store answers again after %.1f s; %d calls were answered without it",
@@ -181,10 +183,10 @@ class Breaker:
                 self._probing = False
             self._retry_at = now + self.retry_interval
             self._last_error = f"{type(error).__name__}: {error}"
-            if self._open:
+            if self.open:
                 return
-            self._open = True
-            self._opened_at = now
+            self.open = True
+            self.opened_at = now
             self.openings += 1
         logger.warning(
             "%s: the store failed (%s); %s until one call asks it again after %g s",
@@ -205,7 +207,7 @@ class Breaker:
         """Why a call was not sent, for the error raised under ``on_store_error="raise"``."""
         now = self._monotonic()
         with self._lock:
-            since = now - self._opened_at
+            since = now - self.opened_at
             wait = max(0.0, self._retry_at - now)
             last = self._last_error
         return (
@@ -241,8 +243,9 @@ class RefusalCache:
         self._size = size
         self._max_age = max_age
         self._lock = threading.Lock()
-        # Insertion-ordered: the first entry is the oldest.
-        self._entries: dict[bytes, _Refusal] = {}
+        # Insertion-ordered: the first entry is the oldest. Read without the lock by
+        # the limiters' common case: while it is empty there is nothing to look up.
+        self.entries: dict[bytes, _Refusal] = {}
 
     @staticmethod
     def _digest(key: bytes) -> bytes:
@@ -251,15 +254,15 @@ class RefusalCache:
 
     def get(self, key: bytes, cost: int, now: float) -> Decision | None:
         """The refusal still in force for ``key`` at ``cost``, with the wait left."""
-        if not self._entries:
+        if not self.entries:
             return None  # the common case: no digest to compute
         digest = self._digest(key)
         with self._lock:
-            entry = self._entries.get(digest)
+            entry = self.entries.get(digest)
             if entry is None:
                 return None
             if now >= entry.expires:
-                del self._entries[digest]
+                del self.entries[digest]
                 return None
         if cost < entry.cost:
             return None  # a smaller cost might pass: only the store knows
@@ -276,20 +279,20 @@ class RefusalCache:
         digest = self._digest(key)
         entry = _Refusal(cost, refusal, started, started + lifetime)
         with self._lock:
-            self._entries.pop(digest, None)  # re-inserted last: the newest
-            self._entries[digest] = entry
-            if len(self._entries) > self._size:
-                del self._entries[next(iter(self._entries))]
+            self.entries.pop(digest, None)  # re-inserted last: the newest
+            self.entries[digest] = entry
+            if len(self.entries) > self._size:
+                del self.entries[next(iter(self.entries))]
 
     def drop(self, key: bytes) -> None:
-        if not self._entries:
+        if not self.entries:
             return  # the common case: no digest to compute
         digest = self._digest(key)
         with self._lock:
-            self._entries.pop(digest, None)
+            self.entries.pop(digest, None)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
 
 class Fallback:

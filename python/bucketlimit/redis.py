@@ -9,7 +9,10 @@
 The arithmetic of DESIGN §4 runs inside Redis as one Lua script (``lua/bucket.lua``),
 one atomic step per call, so processes never race on a read-modify-write. The script
 reads the server's ``TIME``, so processes with skewed clocks agree; a ``clock`` given
-to the limiter is sent to the script instead (tests, single-clock setups).
+to the limiter is sent to the script instead (tests, single-clock setups). Each
+limiter sends its own form of the script, its configuration written in
+(:func:`_specialize`), so that the common call carries one key and no argument;
+``allow_all`` sends the script as written, the configurations as arguments.
 
 A script is sent with EVALSHA; only a ``NOSCRIPT`` reply (the server lost its script
 cache: restart, failover, ``SCRIPT FLUSH``) is answered by sending the script itself
@@ -35,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -103,14 +107,21 @@ DEFAULT_TIMEOUT: Final = 0.25
 # braces Redis reads as a hash tag, and ':' (our separator).
 _ESCAPES: Final = str.maketrans({"%": "%25", "{": "%7B", "}": "%7D", ":": "%3A"})
 
-# Script modes (ARGV[1] of lua/bucket.lua).
+# Script modes (ARGV[2] of lua/bucket.lua; an allow sends none).
 _ALLOW: Final = b"a"
 _PEEK: Final = b"p"
 _REFUND: Final = b"r"
 # Not a script mode: reset deletes the bucket's key.
 _RESET: Final = b"d"
-# ARGV "now" asking the script to read the server's TIME.
+# ARGV "now" asking the general script to read the server's TIME.
 _SERVER_TIME: Final = b""
+# The arguments of the common call: an allow of one token on the server's clock.
+_NO_ARGS: Final[tuple[Any, ...]] = ()
+
+# Keys with none of these need no escaping (the fast path of _RedisLimiter._key).
+_NEEDS_ESCAPE: Final = re.compile("[%{}:]").search
+# Any key of at most this many characters is at most MAX_KEY_BYTES bytes of UTF-8.
+_SHORT_KEY: Final = _core.MAX_KEY_BYTES // 4
 
 
 class _Script:
@@ -123,9 +134,29 @@ class _Script:
         self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
 
 
+#: lua/bucket.lua as written: the general form, which allow_all runs.
 _BUCKET_SCRIPT: Final = _Script(
     resources.files("bucketlimit").joinpath("lua", "bucket.lua").read_text("utf-8")
 )
+
+# The one line of lua/bucket.lua that reads a bucket's configuration from ARGV.
+_CONFIG_LINE: Final = re.compile(r"^(\s*local capacity, unit, p = ).*-- config$", re.MULTILINE)
+
+
+def _specialize(template: str, capacity: int, unit: int, p: int) -> str:
+    """A limiter's own form of the script: ``template`` (lua/bucket.lua) with the
+    limiter's configuration written into the line marked ``config``, so that a call
+    sends one key and at most three arguments. Comment lines are dropped: Redis keeps
+    one copy of each distinct script for as long as it runs."""
+    source, found = _CONFIG_LINE.subn(rf"\g<1>{capacity}, {unit}, {p}", template)
+    if found != 1:
+        raise RuntimeError("lua/bucket.lua has no line ending in '-- config'")
+    lines = [line for line in source.splitlines() if line.strip() and not _is_comment(line)]
+    return "\n".join(lines) + "\n"
+
+
+def _is_comment(line: str) -> bool:
+    return line.lstrip().startswith("--")
 
 
 def _encode(part: str) -> bytes:
@@ -155,13 +186,22 @@ def _seconds(micros: int) -> float:
     return math.inf if micros < 0 else micros / 1_000_000
 
 
-def _decision(reply: Any) -> Decision:
-    allowed, retry_after, remaining, reset_after, limit = reply
-    return Decision(allowed == 1, _seconds(retry_after), remaining, _seconds(reset_after), limit)
+def _decision(reply: Any, limit: int) -> Decision:
+    """The script's reply ``{retry_after_us, remaining, reset_after_us[, limit]}``;
+    ``limit`` is the capacity of the one bucket asked about."""
+    retry_after, remaining, reset_after = reply[0], reply[1], reply[2]
+    if len(reply) > 3:
+        limit = reply[3]  # several buckets: the tightest one's
+    return Decision(
+        retry_after == 0, _seconds(retry_after), remaining, _seconds(reset_after), limit
+    )
 
 
 class _Counters:
-    """The numbers ``stats()`` reports; a lock, since many threads may share a limiter."""
+    """The numbers ``stats()`` reports; a lock, since many threads may share a limiter.
+
+    A call that the store answers takes the lock once (:meth:`answered`).
+    """
 
     __slots__ = (
         "_lock",
@@ -180,9 +220,19 @@ class _Counters:
         self.store_errors = self.fallback_decisions = self.refusal_cache_hits = 0
 
     def call(self, *, reload: bool = False) -> None:
+        """A command sent (``reload``: a script sent whole after ``NOSCRIPT``)."""
         with self._lock:
             self.store_calls += 1
             self.script_loads += reload
+
+    def answered(self, allowed: bool) -> None:
+        """An allow the store answered: one command, one decision."""
+        with self._lock:
+            self.store_calls += 1
+            if allowed:
+                self.allowed += 1
+            else:
+                self.refused += 1
 
     def decided(self, allowed: bool) -> None:
         with self._lock:
@@ -199,9 +249,11 @@ class _Counters:
         with self._lock:
             self.fallback_decisions += 1
 
-    def cache_hit(self) -> None:
+    def cache_hit(self, *, decided: bool) -> None:
+        """A refusal answered by the refusal cache (``decided``: an allow's)."""
         with self._lock:
             self.refusal_cache_hits += 1
+            self.refused += decided
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -211,15 +263,16 @@ class _Counters:
 class _Call:
     """One request on its way to the store, with what it takes to answer without it."""
 
-    __slots__ = ("args", "checks", "cost", "gate", "key", "keys", "mode", "started")
+    __slots__ = ("args", "checks", "cost", "gate", "key", "keys", "mode", "script", "started")
 
     def __init__(
         self,
         mode: bytes,
         key: str,
         cost: int,
+        script: _Script,
         keys: list[bytes],
-        args: list[Any],
+        args: Sequence[Any],
         *,
         started: float = 0.0,
         checks: Sequence[tuple[_RedisLimiter, str]] | None = None,
@@ -227,6 +280,7 @@ class _Call:
         self.mode = mode
         self.key = key  # "" for allow_all, which has checks instead
         self.cost = cost
+        self.script = script
         self.keys = keys
         self.args = args
         self.started = started  # time.monotonic() before sending, for the refusal cache
@@ -239,10 +293,11 @@ class _RedisLimiter:
     and everything a call decides around the store (refusal cache, breaker, policy).
 
     The two subclasses differ only in how they talk to the client (``_run``,
-    ``_execute``).
+    ``_execute``, and ``allow``, whose common case is written out in full there).
     """
 
-    # The script run by EVALSHA. A class attribute so that a test may swap it.
+    # lua/bucket.lua: allow_all runs it as it is; each limiter runs its own form
+    # (_specialize). A class attribute so that a test may swap it.
     _script: ClassVar[_Script] = _BUCKET_SCRIPT
     # A redis.Redis, RedisCluster or one of their asyncio twins (set by the subclass).
     _client: object
@@ -286,8 +341,11 @@ class _RedisLimiter:
         self._per = per if isinstance(per, float) else float(operator.index(per))
         self._clock = clock
         self._prefix = prefix.encode("utf-8")
+        self._tag_start = self._prefix + b"{"
         self._hash_tag = hash_tag
-        # The per-bucket script arguments after `now`, fixed for this limiter.
+        # This limiter's own script, and the per-bucket arguments after `now` that
+        # allow_all sends with the general one.
+        self._own = _Script(_specialize(self._script.source, capacity, unit, p))
         self._config_args = (capacity, unit, p)
         self._counters = _Counters()
 
@@ -371,6 +429,20 @@ class _RedisLimiter:
 
     def _key(self, key: str) -> bytes:
         """The Redis key of ``key``'s bucket: ``prefix{tag}:key``, both parts escaped."""
+        if (
+            self._hash_tag is None
+            and type(key) is str
+            and 0 < len(key) <= _SHORT_KEY
+            and not _NEEDS_ESCAPE(key)
+        ):
+            # The common case, checked and built in a few steps: a short key with
+            # nothing to escape is its own tag.
+            try:
+                encoded = key.encode("utf-8")
+            except UnicodeEncodeError:
+                pass  # a lone surrogate: check_key says so below
+            else:
+                return self._tag_start + encoded + b"}:" + encoded
         _core.check_key(key)
         encoded = _encode(key)
         if self._hash_tag is None:
@@ -401,15 +473,26 @@ class _RedisLimiter:
             )
         return micros
 
-    def _call(self, mode: bytes, key: str, cost: object) -> tuple[list[bytes], list[Any]]:
-        """Keys and arguments of a one-bucket script call; validates like the core."""
+    def _args(self, mode: bytes, cost: int) -> tuple[Any, ...]:
+        """The arguments of this limiter's own script: cost, mode, now, each only when
+        needed (the script takes 1, an allow and the server's TIME when absent)."""
+        if self._clock is not None:
+            return cost, mode, self._now()
+        if mode != _ALLOW:
+            return cost, mode
+        return _NO_ARGS if cost == 1 else (cost,)
+
+    def _call(
+        self, mode: bytes, key: str, cost: object
+    ) -> tuple[int, list[bytes], tuple[Any, ...]]:
+        """Cost, keys and arguments of a one-bucket call; validates like the core."""
         cost = _check_cost(cost, self._capacity)
         keys = [self._key(key)]
-        return keys, [mode, cost, self._now(), *self._config_args]
+        return cost, keys, self._args(mode, cost)
 
-    def _check_call(self) -> tuple[list[bytes], list[Any]]:
+    def _check_call(self) -> tuple[list[bytes], tuple[Any, ...]]:
         """A peek at a key no bucket has (a bucket's key never ends with its ':')."""
-        return [self._prefix + b"{bucketlimit-check}:"], [_PEEK, 1, self._now(), *self._config_args]
+        return [self._prefix + b"{bucketlimit-check}:"], self._args(_PEEK, 1)
 
     # -- one call: the refusal cache, the breaker, the store, the policy ---------------
     #
@@ -417,25 +500,24 @@ class _RedisLimiter:
 
     def _begin(self, mode: bytes, key: str, cost: object) -> _Call | Decision | None:
         """Validates a call and answers it when the store need not or cannot be asked."""
-        args: list[Any] = []
+        args: tuple[Any, ...] = ()
         if mode == _RESET:
             keys, charged = [self._key(key)], 0
         else:
-            keys, args = self._call(mode, key, cost)
-            charged = args[1]
+            charged, keys, args = self._call(mode, key, cost)
         started = 0.0
         if self._refusals is not None:
             if mode in (_ALLOW, _PEEK):
                 started = time.monotonic()
                 cached = self._refusals.get(keys[0], charged, started)
                 if cached is not None:
-                    self._counters.cache_hit()
+                    self._counters.cache_hit(decided=mode == _ALLOW)
                     return cached
             else:
                 self._refusals.drop(keys[0])  # this process gives tokens back
         if mode == _RESET:
             self._fallback.reset(key)  # full again here too, for the next outage
-        return self._admit(_Call(mode, key, charged, keys, args, started=started))
+        return self._admit(_Call(mode, key, charged, self._own, keys, args, started=started))
 
     def _admit(self, call: _Call) -> _Call | Decision | None:
         call.gate = self._breaker.admit()
@@ -444,19 +526,71 @@ class _RedisLimiter:
         return call
 
     def _answered(self, call: _Call, reply: Any) -> Decision | None:
+        self._counters.call()
         self._breaker.succeeded(call.gate)
         if call.mode in (_REFUND, _RESET):
             return None
-        decision = _decision(reply)
+        decision = _decision(reply, self._capacity)
         if self._refusals is not None and call.checks is None:
-            if decision.allowed:
-                self._refusals.drop(call.keys[0])
-            else:
-                self._refusals.put(call.keys[0], call.cost, decision, call.started)
+            self._remember(call.keys[0], call.cost, decision, call.started)
+        return decision
+
+    def _remember(self, bucket: bytes, cost: int, decision: Decision, started: float) -> None:
+        """Tells the refusal cache what the store answered about ``bucket``."""
+        assert self._refusals is not None
+        if not decision.allowed:
+            self._refusals.put(bucket, cost, decision, started)
+        elif self._refusals.entries:
+            self._refusals.drop(bucket)
+
+    # -- allow's common case -------------------------------------------------------------
+    #
+    # Every request runs allow(): the subclasses write its common case out (the
+    # breaker closed, the store answering), with the same steps as _begin, _execute
+    # and _answered in fewer calls, and hand everything else to those.
+
+    def _allowed(self, reply: Any, bucket: bytes, cost: int, started: float) -> Decision:
+        """The decision of an allow the store answered: ``_answered`` for one bucket."""
+        if self._breaker.open:
+            self._breaker.succeeded(Gate.STORE)  # opened by another call meanwhile
+        retry_after, remaining, reset_after = reply
+        allowed = retry_after == 0
+        decision = Decision(
+            allowed,
+            0.0 if allowed else _seconds(retry_after),
+            remaining,
+            reset_after / 1_000_000 if reset_after >= 0 else math.inf,
+            self._capacity,
+        )
+        self._counters.answered(allowed)
+        if self._refusals is not None and (not allowed or self._refusals.entries):
+            self._remember(bucket, cost, decision, started)
+        return decision
+
+    def _allow_failed(
+        self,
+        key: str,
+        cost: int,
+        bucket: bytes,
+        args: tuple[Any, ...],
+        started: float,
+        error: BaseException,
+    ) -> Decision:
+        """allow() when its command failed: the policy answers, or this raises."""
+        if isinstance(error, ResponseError):
+            converted = store_error(error, [bucket])
+            if converted is not error:
+                converted.__cause__ = error
+                error = converted
+        call = _Call(_ALLOW, key, cost, self._own, [bucket], args, started=started)
+        decision = self._failed(call, error)
+        assert decision is not None  # allow always decides
+        self._counters.decided(decision.allowed)
         return decision
 
     def _failed(self, call: _Call, error: BaseException) -> Decision | None:
         """Answers a call whose command failed, or raises."""
+        self._counters.call()
         kind = classify(error)
         if kind == FAULT:
             self._counters.store_error()
@@ -500,14 +634,16 @@ class _RedisLimiter:
 
 
 def _plan_all(checks: Iterable[Any], cost: object) -> tuple[Any, list[bytes], list[Any]]:
-    """The limiter to send through, keys and arguments of one ``allow_all`` script.
+    """The limiter to send through, keys and arguments of one ``allow_all`` script
+    (the general form of lua/bucket.lua: cost, mode, then now and the configuration
+    of each bucket).
 
     Everything is checked here, before anything is sent: pairs, duplicates, one
     client, costs, keys and (on a cluster) one hash slot.
     """
     limiters: list[_RedisLimiter] = []
     keys: list[bytes] = []
-    args: list[Any] = [_ALLOW, 0]
+    args: list[Any] = [0, _ALLOW]
     seen: set[tuple[int, str]] = set()
     for item in checks:
         try:
@@ -540,7 +676,7 @@ def _plan_all(checks: Iterable[Any], cost: object) -> tuple[Any, list[bytes], li
         limiters.append(limiter)
         keys.append(bucket)
         args += [limiter._now(), *limiter._config_args]
-        args[1] = checked
+        args[0] = checked
     if not limiters:
         raise ValueError("allow_all needs at least one (limiter, key)")
     client = limiters[0]._client
@@ -686,19 +822,28 @@ class RedisTokenBucketLimiter(_RedisLimiter):
     def client(self) -> SyncClient:
         return self._client
 
-    def _run(self, keys: list[bytes], args: list[Any]) -> Any:
-        """Sends the script: the one place a command for a bucket goes to the store."""
-        script = self._script
+    def _run(self, script: _Script, keys: list[bytes], args: Sequence[Any]) -> Any:
+        """Sends a script (``allow`` writes these steps out for its common case).
+
+        The caller counts the command (``_answered``, ``_failed``); a ``NOSCRIPT``
+        and its reload are counted in :meth:`_reload`.
+        """
+        # execute_command rather than evalsha: two frames fewer, same path.
+        execute: Callable[..., Any] = self._client.execute_command
         try:
             try:
-                self._counters.call()
-                return self._client.evalsha(script.sha, len(keys), *keys, *args)
+                return execute("EVALSHA", script.sha, len(keys), *keys, *args)
             except NoScriptError:
-                # The script did not run: sending it whole is safe, and caches it again.
-                self._counters.call(reload=True)
-                return self._client.eval(script.source, len(keys), *keys, *args)
+                return self._reload(script, keys, args)
         except ResponseError as e:
             raise store_error(e, keys) from e
+
+    def _reload(self, script: _Script, keys: list[bytes], args: Sequence[Any]) -> Any:
+        """After ``NOSCRIPT``: the script did not run, so sending it whole is safe (and
+        caches it again)."""
+        self._counters.call(reload=True)
+        execute: Callable[..., Any] = self._client.execute_command
+        return execute("EVAL", script.source, len(keys), *keys, *args)
 
     def _execute(self, call: _Call | Decision | None) -> Decision | None:
         """Sends a call :meth:`_begin` did not answer, and answers it."""
@@ -706,20 +851,44 @@ class RedisTokenBucketLimiter(_RedisLimiter):
             return call
         try:
             if call.mode == _RESET:
-                self._counters.call()
                 reply = self._client.delete(*call.keys)
             else:
-                reply = self._run(call.keys, call.args)
+                reply = self._run(call.script, call.keys, call.args)
         except BaseException as error:
             return self._failed(call, error)
         return self._answered(call, reply)
 
     def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
-        decision = self._execute(self._begin(_ALLOW, key, cost))
-        assert decision is not None  # allow always decides
-        self._counters.decided(decision.allowed)
-        return decision
+        # The common case in full (see _RedisLimiter._allowed).
+        if type(cost) is not int or not 0 < cost <= self._capacity:
+            cost = _check_cost(cost, self._capacity)
+        bucket = self._key(key)
+        args = _NO_ARGS if cost == 1 and self._clock is None else self._args(_ALLOW, cost)
+        started = 0.0
+        refusals = self._refusals
+        if refusals is not None:
+            started = time.monotonic()
+            if refusals.entries:
+                cached = refusals.get(bucket, cost, started)
+                if cached is not None:
+                    self._counters.cache_hit(decided=True)
+                    return cached
+        if self._breaker.open:
+            call = _Call(_ALLOW, key, cost, self._own, [bucket], args, started=started)
+            decision = self._execute(self._admit(call))
+            assert decision is not None  # allow always decides
+            self._counters.decided(decision.allowed)
+            return decision
+        execute: Callable[..., Any] = self._client.execute_command  # untyped in redis-py
+        try:
+            try:
+                reply = execute("EVALSHA", self._own.sha, 1, bucket, *args)
+            except NoScriptError:
+                reply = self._reload(self._own, [bucket], args)
+        except BaseException as error:
+            return self._allow_failed(key, cost, bucket, args, started, error)
+        return self._allowed(reply, bucket, cost, started)
 
     def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """What ``allow`` would answer now; writes nothing."""
@@ -745,7 +914,8 @@ class RedisTokenBucketLimiter(_RedisLimiter):
         """
         keys, args = self._check_call()
         try:
-            self._run(keys, args)
+            self._counters.call()
+            self._run(self._own, keys, args)
             try:
                 info: object = self._client.info("server")
             except NoPermissionError:
@@ -841,19 +1011,22 @@ class AsyncRedisTokenBucketLimiter(_RedisLimiter):
     def client(self) -> AsyncClient:
         return self._client
 
-    async def _run(self, keys: list[bytes], args: list[Any]) -> Any:
-        """Sends the script: the one place a command for a bucket goes to the store."""
-        script = self._script
+    async def _run(self, script: _Script, keys: list[bytes], args: Sequence[Any]) -> Any:
+        """Sends a script: :meth:`RedisTokenBucketLimiter._run`, awaited."""
+        execute: Callable[..., Any] = self._client.execute_command
         try:
             try:
-                self._counters.call()
-                return await self._client.evalsha(script.sha, len(keys), *keys, *args)
+                return await execute("EVALSHA", script.sha, len(keys), *keys, *args)
             except NoScriptError:
-                # The script did not run: sending it whole is safe, and caches it again.
-                self._counters.call(reload=True)
-                return await self._client.eval(script.source, len(keys), *keys, *args)
+                return await self._reload(script, keys, args)
         except ResponseError as e:
             raise store_error(e, keys) from e
+
+    async def _reload(self, script: _Script, keys: list[bytes], args: Sequence[Any]) -> Any:
+        """:meth:`RedisTokenBucketLimiter._reload`, awaited."""
+        self._counters.call(reload=True)
+        execute: Callable[..., Any] = self._client.execute_command
+        return await execute("EVAL", script.source, len(keys), *keys, *args)
 
     async def _execute(self, call: _Call | Decision | None) -> Decision | None:
         """Sends a call :meth:`_begin` did not answer, and answers it."""
@@ -861,20 +1034,45 @@ class AsyncRedisTokenBucketLimiter(_RedisLimiter):
             return call
         try:
             if call.mode == _RESET:
-                self._counters.call()
                 reply = await self._client.delete(*call.keys)
             else:
-                reply = await self._run(call.keys, call.args)
+                reply = await self._run(call.script, call.keys, call.args)
         except BaseException as error:  # CancelledError too: a probe must be released
             return self._failed(call, error)
         return self._answered(call, reply)
 
     async def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
-        decision = await self._execute(self._begin(_ALLOW, key, cost))
-        assert decision is not None  # allow always decides
-        self._counters.decided(decision.allowed)
-        return decision
+        # The common case in full (see _RedisLimiter._allowed).
+        if type(cost) is not int or not 0 < cost <= self._capacity:
+            cost = _check_cost(cost, self._capacity)
+        bucket = self._key(key)
+        args = _NO_ARGS if cost == 1 and self._clock is None else self._args(_ALLOW, cost)
+        started = 0.0
+        refusals = self._refusals
+        if refusals is not None:
+            started = time.monotonic()
+            if refusals.entries:
+                cached = refusals.get(bucket, cost, started)
+                if cached is not None:
+                    self._counters.cache_hit(decided=True)
+                    return cached
+        if self._breaker.open:
+            call = _Call(_ALLOW, key, cost, self._own, [bucket], args, started=started)
+            decision = await self._execute(self._admit(call))
+            assert decision is not None  # allow always decides
+            self._counters.decided(decision.allowed)
+            return decision
+        try:
+            try:
+                reply = await self._client.execute_command(
+                    "EVALSHA", self._own.sha, 1, bucket, *args
+                )
+            except NoScriptError:
+                reply = await self._reload(self._own, [bucket], args)
+        except BaseException as error:  # CancelledError too: counted, and raised again
+            return self._allow_failed(key, cost, bucket, args, started, error)
+        return self._allowed(reply, bucket, cost, started)
 
     async def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """What ``allow`` would answer now; writes nothing."""
@@ -894,7 +1092,8 @@ class AsyncRedisTokenBucketLimiter(_RedisLimiter):
         """:meth:`RedisTokenBucketLimiter.check`, awaited."""
         keys, args = self._check_call()
         try:
-            await self._run(keys, args)
+            self._counters.call()
+            await self._run(self._own, keys, args)
             try:
                 info: object = await self._client.info("server")
             except NoPermissionError:
@@ -916,7 +1115,7 @@ def allow_all(
     if not isinstance(limiter, RedisTokenBucketLimiter):
         raise TypeError("allow_all takes RedisTokenBucketLimiter instances here")
     # Sent through the first limiter: its breaker, its policy for the store's faults.
-    call = _Call(_ALLOW, "", args[1], keys, args, checks=checks)
+    call = _Call(_ALLOW, "", args[0], limiter._script, keys, args, checks=checks)
     decision = limiter._execute(limiter._admit(call))
     assert decision is not None  # an allow always decides
     return _count_all(checks, decision)
@@ -930,7 +1129,7 @@ async def allow_all_async(
     limiter, keys, args = _plan_all(checks, cost)
     if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
         raise TypeError("allow_all_async takes AsyncRedisTokenBucketLimiter instances")
-    call = _Call(_ALLOW, "", args[1], keys, args, checks=checks)
+    call = _Call(_ALLOW, "", args[0], limiter._script, keys, args, checks=checks)
     decision = await limiter._execute(limiter._admit(call))
     assert decision is not None  # an allow always decides
     return _count_all(checks, decision)
