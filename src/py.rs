@@ -5,8 +5,10 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyString, PyTuple};
+use pyo3::PyTraverseError;
 
 use crate::bucket::{self, Wait};
 use crate::clock;
@@ -418,6 +420,16 @@ impl TokenBucketLimiter {
     #[getter]
     fn max_keys(&self) -> Option<usize> {
         self.max_keys
+    }
+
+    /// The clock is the one Python object a limiter holds: shown to the
+    /// garbage collector, so a clock that refers back to its limiter (a
+    /// method of an object holding it) does not leak the pair.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(clock) = &self.clock {
+            visit.call(clock)?;
+        }
+        Ok(())
     }
 
     fn __repr__(&self) -> String {

@@ -185,3 +185,25 @@ def test_allow_all_never_holds_more_than_max_keys() -> None:
     assert limiter.allow("a")
     allow_all([(limiter, "b"), (limiter, "c")])
     assert len(limiter) <= 2
+
+
+def test_a_clock_that_refers_back_to_its_limiter_is_collected() -> None:
+    # The limiter holds its clock; here the clock holds the limiter too. The
+    # garbage collector must see the limiter's reference, or the pair leaks.
+    import gc
+    import weakref
+
+    class Service:
+        def __init__(self) -> None:
+            self.clock = ManualClock()
+            self.limiter = TokenBucketLimiter(1, 1, clock=self.now)
+
+        def now(self) -> float:
+            return self.clock()
+
+    service = Service()
+    assert service.limiter.allow("k")
+    alive = weakref.ref(service)
+    del service
+    gc.collect()
+    assert alive() is None
