@@ -27,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py::exact_units, m)?)?;
     m.add_function(wrap_pyfunction!(py::clock_to_micros, m)?)?;
     m.add_function(wrap_pyfunction!(py::check_key, m)?)?;
+    m.add_function(wrap_pyfunction!(py::check_cost, m)?)?;
     m.add("MAX_KEY_BYTES", error::MAX_KEY_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -501,6 +501,12 @@ pub fn exact_units(
     Ok((config.capacity, config.per_micro, config.unit))
 }
 
+/// Checks a cost as the limiter does (type, then value) and returns it.
+#[pyfunction]
+pub fn check_cost(cost: &Bound<'_, PyAny>, capacity: u64) -> PyResult<u64> {
+    Ok(crate::rate::check_cost(integer(cost, "cost")?, capacity)?)
+}
+
 /// A clock reading in whole microseconds, by the limiter's own rule.
 #[pyfunction]
 pub fn clock_to_micros(seconds: &Bound<'_, PyAny>) -> PyResult<i64> {

@@ -240,18 +240,24 @@ impl Config {
     /// Checks that `cost` could ever pass, and returns it.
     ///
     /// # Errors
-    /// [`Error::Cost`] below 1; [`Error::CostAboveCapacity`] above capacity.
+    /// See [`check_cost`].
     pub fn check_cost(&self, cost: i128) -> Result<u64, Error> {
-        if cost < 1 {
-            return Err(Error::Cost(cost.to_string()));
-        }
-        match u64::try_from(cost) {
-            Ok(c) if c <= self.capacity => Ok(c),
-            _ => Err(Error::CostAboveCapacity {
-                cost,
-                capacity: self.capacity,
-            }),
-        }
+        check_cost(cost, self.capacity)
+    }
+}
+
+/// Checks that `cost` could ever pass a bucket of `capacity`, and returns it.
+/// The Redis limiter calls this too (`_core.check_cost`): one rule, one message.
+///
+/// # Errors
+/// [`Error::Cost`] below 1; [`Error::CostAboveCapacity`] above capacity.
+pub fn check_cost(cost: i128, capacity: u64) -> Result<u64, Error> {
+    if cost < 1 {
+        return Err(Error::Cost(cost.to_string()));
+    }
+    match u64::try_from(cost) {
+        Ok(c) if c <= capacity => Ok(c),
+        _ => Err(Error::CostAboveCapacity { cost, capacity }),
     }
 }
 

@@ -9,6 +9,7 @@ __all__ = [
     "TokenBucketLimiter",
     "__version__",
     "allow_all",
+    "check_cost",
     "check_key",
     "clock_to_micros",
     "exact_units",
@@ -109,6 +110,9 @@ def exact_units(
 
 def clock_to_micros(seconds: Any) -> int:
     """A clock reading in whole microseconds, by the limiter's own rule."""
+
+def check_cost(cost: object, capacity: int) -> int:
+    """Checks a cost as the limiter does (int, 1 <= cost <= capacity) and returns it."""
 
 def check_key(key: str) -> str:
     """Checks a key as the limiter does and returns it."""

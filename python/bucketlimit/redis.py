@@ -163,24 +163,6 @@ def _encode(part: str) -> bytes:
     return part.translate(_ESCAPES).encode("utf-8")
 
 
-def _check_cost(cost: object, capacity: int) -> int:
-    """The cost rules of the core (DESIGN §3), with its messages."""
-    if type(cost) is int:
-        value = cost
-    elif isinstance(cost, (bool, float)):
-        raise TypeError(f"cost must be an int, got {type(cost).__name__} {cost!r}")
-    else:
-        try:
-            value = operator.index(cost)  # type: ignore[arg-type]  # checked by the call
-        except TypeError:
-            raise TypeError(f"cost must be an int, got {type(cost).__name__}") from None
-    if value < 1:
-        raise ValueError(f"cost must be >= 1, got {value}")
-    if value > capacity:
-        raise ValueError(f"cost {value} exceeds capacity {capacity}: the request could never pass")
-    return value
-
-
 def _seconds(micros: int) -> float:
     """A wait from the script: whole microseconds, -1 for never."""
     return math.inf if micros < 0 else micros / 1_000_000
@@ -486,7 +468,7 @@ class _RedisLimiter:
         self, mode: bytes, key: str, cost: object
     ) -> tuple[int, list[bytes], tuple[Any, ...]]:
         """Cost, keys and arguments of a one-bucket call; validates like the core."""
-        cost = _check_cost(cost, self._capacity)
+        cost = _core.check_cost(cost, self._capacity)
         keys = [self._key(key)]
         return cost, keys, self._args(mode, cost)
 
@@ -664,7 +646,7 @@ def _plan_all(checks: Iterable[Any], cost: object) -> tuple[Any, list[bytes], li
         if (id(limiter), key) in seen:
             raise ValueError(f"allow_all got the same (limiter, key) twice: key {key!r}")
         seen.add((id(limiter), key))
-        checked = _check_cost(cost, limiter.capacity)
+        checked = _core.check_cost(cost, limiter.capacity)
         bucket = limiter._key(key)
         if bucket in keys:
             # Two limiters with one prefix: the script would read the bucket twice
@@ -862,7 +844,7 @@ class RedisTokenBucketLimiter(_RedisLimiter):
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
         # The common case in full (see _RedisLimiter._allowed).
         if type(cost) is not int or not 0 < cost <= self._capacity:
-            cost = _check_cost(cost, self._capacity)
+            cost = _core.check_cost(cost, self._capacity)
         bucket = self._key(key)
         args = _NO_ARGS if cost == 1 and self._clock is None else self._args(_ALLOW, cost)
         started = 0.0
@@ -1045,7 +1027,7 @@ class AsyncRedisTokenBucketLimiter(_RedisLimiter):
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
         # The common case in full (see _RedisLimiter._allowed).
         if type(cost) is not int or not 0 < cost <= self._capacity:
-            cost = _check_cost(cost, self._capacity)
+            cost = _core.check_cost(cost, self._capacity)
         bucket = self._key(key)
         args = _NO_ARGS if cost == 1 and self._clock is None else self._args(_ALLOW, cost)
         started = 0.0
