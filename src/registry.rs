@@ -515,37 +515,16 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
 /// remaining tokens (the first on a tie).
 fn combine(decisions: &[Decision]) -> Decision {
     let allowed = decisions.iter().all(|d| d.allowed);
-    let tightest = decisions
+    // min_by_key keeps the first of equal minima.
+    let tightest = *decisions
         .iter()
-        .reduce(|best, d| {
-            if d.remaining < best.remaining {
-                d
-            } else {
-                best
-            }
-        })
-        .copied()
-        .unwrap_or(Decision {
-            allowed: true,
-            retry_after: Some(0),
-            remaining: 0,
-            reset_after: Some(0),
-            limit: 0,
-        });
-    let retry_after = if allowed {
-        Some(0)
-    } else {
-        decisions
-            .iter()
-            .filter(|d| !d.allowed)
-            .map(|d| d.retry_after)
-            // None (never) is the longest wait of all.
-            .reduce(|a, b| match (a, b) {
-                (Some(a), Some(b)) => Some(a.max(b)),
-                _ => None,
-            })
-            .unwrap_or(Some(0))
-    };
+        .min_by_key(|d| d.remaining)
+        .expect("allow_all checks at least one bucket");
+    let retry_after = decisions
+        .iter()
+        .filter(|d| !d.allowed)
+        // None (never) is the longest wait of all: it ends the fold.
+        .try_fold(0, |longest, d| d.retry_after.map(|wait| longest.max(wait)));
     Decision {
         allowed,
         retry_after,
