@@ -11,24 +11,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bucketlimit import Decision, TokenBucketLimiter
-from bucketlimit._http import (
+from bucketlimit._web.addresses import TrustedProxies, forwarded_client
+from bucketlimit._web.fields import (
     Applied,
-    AsyncReservation,
+    ratelimit_fields,
+    refusal_body,
+    refusal_headers,
+    retry_after_seconds,
+    window_seconds,
+)
+from bucketlimit._web.limits import (
     ConfigurationError,
     KeyFunctionError,
     LimitSettings,
     RequestLimits,
-    Reservation,
-    TrustedProxies,
-    forwarded_client,
-    ratelimit_fields,
-    refusal_body,
-    refusal_headers,
-    reserve,
-    reserve_async,
-    retry_after_seconds,
-    window_seconds,
 )
+from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
 from bucketlimit.testing import ManualClock
 
 # The subset of RFC 9651 the two fields use: a list of String items with Integer

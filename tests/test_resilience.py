@@ -28,9 +28,9 @@ from redis_servers import free_port
 
 import bucketlimit
 from bucketlimit import Decision, TokenBucketLimiter
-from bucketlimit._redis_errors import CONFIG, CORRUPT, FAULT, OTHER, check_version, classify
-from bucketlimit._redis_errors import store_error as as_store_error
-from bucketlimit._resilience import (
+from bucketlimit._redis.errors import CONFIG, CORRUPT, FAULT, OTHER, check_version, classify
+from bucketlimit._redis.errors import store_error as as_store_error
+from bucketlimit._redis.resilience import (
     REFUSAL_CACHE_MAX_AGE,
     Breaker,
     Gate,

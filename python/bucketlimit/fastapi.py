@@ -34,23 +34,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bucketlimit._core import Decision
-from bucketlimit._http import (
-    AnyLimiter,
-    AsyncLimiter,
-    AsyncReservation,
+from bucketlimit._web.addresses import Network, TrustedProxies, forwarded_client
+from bucketlimit._web.fields import refusal_body, refusal_headers
+from bucketlimit._web.limiters import AnyLimiter, AsyncLimiter, SyncLimiter
+from bucketlimit._web.limits import (
     ConfigurationError,
     KeyFunctionError,
     LimitSettings,
-    Network,
     RequestLimits,
-    Reservation,
-    SyncLimiter,
-    TrustedProxies,
-    forwarded_client,
-    refusal_body,
-    refusal_headers,
-    reserve_async,
 )
+from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve_async
 
 __all__ = [
     "AsyncReservation",

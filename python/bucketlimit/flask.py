@@ -30,21 +30,16 @@ from typing import Any, TypeVar, cast
 import flask
 from flask import Flask, Request, Response, current_app, g, jsonify
 
-from bucketlimit._http import (
-    AsyncReservation,
+from bucketlimit._web.addresses import Network, TrustedProxies, forwarded_client
+from bucketlimit._web.fields import refusal_body, refusal_headers
+from bucketlimit._web.limiters import SyncLimiter
+from bucketlimit._web.limits import (
     ConfigurationError,
     KeyFunctionError,
     LimitSettings,
-    Network,
     RequestLimits,
-    Reservation,
-    SyncLimiter,
-    TrustedProxies,
-    forwarded_client,
-    refusal_body,
-    refusal_headers,
-    reserve,
 )
+from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve
 
 __all__ = [
     "ConfigurationError",

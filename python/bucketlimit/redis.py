@@ -57,7 +57,7 @@ from redis.retry import Retry
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
-from bucketlimit._redis_errors import (
+from bucketlimit._redis.errors import (
     CONFIG,
     CORRUPT,
     FAULT,
@@ -69,7 +69,7 @@ from bucketlimit._redis_errors import (
     configuration_error,
     store_error,
 )
-from bucketlimit._resilience import (
+from bucketlimit._redis.resilience import (
     CLOSED,
     LOCAL,
     RAISE,
@@ -136,7 +136,7 @@ class _Script:
 
 #: lua/bucket.lua as written: the general form, which allow_all runs.
 _BUCKET_SCRIPT: Final = _Script(
-    resources.files("bucketlimit").joinpath("lua", "bucket.lua").read_text("utf-8")
+    resources.files("bucketlimit._redis").joinpath("bucket.lua").read_text("utf-8")
 )
 
 # The one line of lua/bucket.lua that reads a bucket's configuration from ARGV.

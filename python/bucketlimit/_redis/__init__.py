@@ -1,0 +1,1 @@
+"""The Redis limiters' parts (``bucketlimit.redis`` is the public module)."""

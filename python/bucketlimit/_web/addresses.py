@@ -1,0 +1,96 @@
+"""The client's address behind trusted proxies (``X-Forwarded-For``)."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# A hop that is not an address is kept as it is (the proxy wrote it: "unknown",
+# an obfuscated RFC 7239 identifier); cut so that it stays a valid limiter key.
+_MAX_OPAQUE_HOP = 256
+
+
+def _parse_address(text: str) -> Address | None:
+    """An IP address from a peer or an X-Forwarded-For hop, or ``None``.
+
+    Accepts ``1.2.3.4``, ``1.2.3.4:5678``, ``::1``, ``[::1]`` and ``[::1]:5678``
+    (some proxies write the port). IPv4-mapped IPv6 becomes the IPv4 address, so
+    ``::ffff:10.0.0.1`` matches ``10.0.0.0/8``.
+    """
+    text = text.strip()
+    if text.startswith("["):
+        text = text[1:].partition("]")[0]
+    elif text.count(":") == 1:
+        text = text.partition(":")[0]
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+class TrustedProxies:
+    """The proxy networks whose ``X-Forwarded-For`` entries the app believes.
+
+    ``TrustedProxies(["10.0.0.0/8", "fd00::/8", "192.0.2.7"])``. A bare address is
+    a one-address network; host bits set (``"10.0.0.1/8"``) is a ``ValueError``,
+    as a typo there would silently trust the wrong machines.
+    """
+
+    __slots__ = ("networks",)
+
+    def __init__(self, networks: Iterable[str | Network] = ()) -> None:
+        if isinstance(networks, str):
+            raise TypeError(
+                f"trusted_proxies must be a list of networks, not one string: [{networks!r}]"
+            )
+        self.networks: tuple[Network, ...] = tuple(
+            n
+            if isinstance(n, (ipaddress.IPv4Network, ipaddress.IPv6Network))
+            else ipaddress.ip_network(n)
+            for n in networks
+        )
+
+    def __contains__(self, address: Address | None) -> bool:
+        if address is None:
+            return False
+        return any(address.version == n.version and address in n for n in self.networks)
+
+    def __repr__(self) -> str:
+        return f"TrustedProxies({[str(n) for n in self.networks]!r})"
+
+
+def forwarded_client(
+    peer: str | None, forwarded_for: Iterable[str], trusted: TrustedProxies
+) -> str | None:
+    """The client's address: the peer, or the right-most untrusted X-Forwarded-For hop.
+
+    ``forwarded_for`` holds the values of every ``X-Forwarded-For`` line in order.
+    If the peer is not a trusted proxy its header is ignored entirely: anyone can
+    write one. Otherwise the hops are read from the right (each trusted proxy
+    appends the address it saw) and the first one that is not a trusted proxy is
+    the client. If every hop is trusted, the left-most one is the best we know.
+    Returns ``None`` only when there is no peer at all.
+    """
+    if peer is None:
+        return None
+    peer_address = _parse_address(peer)
+    if peer_address is None or peer_address not in trusted:
+        return str(peer_address) if peer_address is not None else peer
+    hops = [hop.strip() for value in forwarded_for for hop in value.split(",")]
+    hops = [hop for hop in hops if hop]
+    if not hops:
+        return str(peer_address)
+    for hop in reversed(hops):
+        address = _parse_address(hop)
+        if address is None:
+            return hop[:_MAX_OPAQUE_HOP]
+        if address not in trusted:
+            return str(address)
+    leftmost = _parse_address(hops[0])
+    return str(leftmost)

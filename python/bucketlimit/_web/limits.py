@@ -1,0 +1,194 @@
+"""One limit's settings, counters and shadow logging (``LimitSettings``), and the
+limits applied to one request (``RequestLimits``): several limits on one route
+become one field with several members, never repeated fields."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from bucketlimit._core import Decision
+from bucketlimit._web.fields import Applied, ratelimit_fields, retry_after_seconds, window_seconds
+from bucketlimit._web.limiters import AnyLimiter, is_async_limiter
+from bucketlimit._web.reservations import AsyncReservation, Reservation
+
+logger = logging.getLogger("bucketlimit")
+
+
+class ConfigurationError(RuntimeError):
+    """The app configured a limit in a way that cannot work (raised while serving)."""
+
+
+class KeyFunctionError(ConfigurationError):
+    """A key function returned no key: that would put every such request in one bucket."""
+
+
+R = TypeVar("R")  # the framework's request type
+
+KeyFunc = Callable[[R], Any]
+CostSpec = int | Callable[[R], Any]
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    # An RFC 9651 String holds printable ASCII only.
+    if not name or not all(" " <= ch <= "~" for ch in name):
+        raise ValueError(f"name must be non-empty printable ASCII, got {name!r}")
+    return name
+
+
+class LimitSettings(Generic[R]):
+    """One limit: limiter, key function, cost, policy name, shadow mode, exemption.
+
+    The adapters subclass it; everything here is framework-free.
+    """
+
+    def __init__(
+        self,
+        limiter: AnyLimiter,
+        *,
+        key: KeyFunc[R],
+        cost: CostSpec[R] = 1,
+        name: str = "default",
+        shadow: bool = False,
+        exempt: Callable[[R], Any] | None = None,
+    ) -> None:
+        for method in ("allow", "peek", "refund"):
+            if not callable(getattr(limiter, method, None)):
+                raise TypeError(f"limiter has no {method}() method: {limiter!r}")
+        if not callable(key):
+            raise TypeError(f"key must be a function of the request, got {key!r}")
+        if not callable(cost):
+            if isinstance(cost, bool) or not isinstance(cost, int):
+                raise TypeError(f"cost must be an int or a function of the request, got {cost!r}")
+            if cost < 1:
+                raise ValueError(f"cost must be >= 1, got {cost}")
+        if exempt is not None and not callable(exempt):
+            raise TypeError(f"exempt must be a predicate of the request, got {exempt!r}")
+        self.limiter = limiter
+        self.key = key
+        self.cost = cost
+        self.name = _check_name(name)
+        self.shadow = bool(shadow)
+        self.exempt = exempt
+        self.window = window_seconds(limiter.capacity, limiter.rate)
+        self._is_async = is_async_limiter(limiter)
+        self._lock = threading.Lock()
+        self._shadow_refusals = 0
+
+    @property
+    def shadow_refusals(self) -> int:
+        """Requests a shadow limit would have refused (always 0 when not shadow)."""
+        return self._shadow_refusals
+
+    def checked_key(self, key: object, where: str) -> str:
+        """The key function's answer, or a :class:`KeyFunctionError` if there is none."""
+        if isinstance(key, str) and key:
+            return key
+        raise KeyFunctionError(
+            f"the key function {getattr(self.key, '__qualname__', self.key)!r} of limit "
+            f"{self.name!r} returned {key!r} for {where}; it must return a non-empty str "
+            "(a missing key would put all such requests in one shared bucket)"
+        )
+
+    def can_never_pass(self, cost: int) -> bool:
+        """A cost above the capacity: refused with no retry time, not a server error.
+
+        The cost often comes from the client (the tokens it asks for), so a request
+        larger than the whole bucket is the client's problem: a 429 that says it will
+        never pass, rather than the ``ValueError`` the limiter raises.
+        """
+        return isinstance(cost, int) and not isinstance(cost, bool) and cost > self.limiter.capacity
+
+    @staticmethod
+    def never(full: Decision) -> Decision:
+        """A refusal for a cost above the capacity, built on the bucket's real state.
+
+        ``full`` is ``peek(key, capacity)``: refused unless the bucket is full, and a
+        refusal reports the balance and time to full as they are (nothing spent).
+        """
+        if full.allowed:
+            return Decision(False, math.inf, full.limit, 0.0, full.limit)
+        return Decision(False, math.inf, full.remaining, full.reset_after, full.limit)
+
+    def applied(self, decision: Decision) -> Applied:
+        return Applied(self.name, decision, self.window)
+
+    def refuses(self, decision: Decision, key: str, cost: int, where: str) -> bool:
+        """Whether to answer 429: counts and logs a shadow limit's would-be refusal."""
+        if decision.allowed:
+            return False
+        if not self.shadow:
+            return True
+        with self._lock:
+            self._shadow_refusals += 1
+        logger.info(
+            "shadow limit %r would refuse %s (key %r, cost %d, retry after %s s)",
+            self.name,
+            where,
+            key,
+            cost,
+            retry_after_seconds(decision),
+        )
+        return False
+
+
+@dataclass
+class _Entry:
+    owner: object
+    applied: Applied
+    reservation: Reservation | AsyncReservation
+
+
+class RequestLimits:
+    """The limits applied to one request, in order; the one writer of its fields."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+
+    def find(self, owner: object) -> Reservation | AsyncReservation | None:
+        """The reservation ``owner`` already made for this request (a limit applies once)."""
+        for entry in self.entries:
+            if entry.owner is owner:
+                return entry.reservation
+        return None
+
+    def add(
+        self, owner: object, applied: Applied, reservation: Reservation | AsyncReservation
+    ) -> None:
+        for entry in self.entries:
+            if entry.applied.name == applied.name:
+                raise ConfigurationError(
+                    f"two limits named {applied.name!r} apply to one request; each limit on "
+                    "a route needs its own name= (they are reported as one RateLimit "
+                    "field with one member per name)"
+                )
+        self.entries.append(_Entry(owner, applied, reservation))
+
+    def others(self, owner: object) -> list[Reservation | AsyncReservation]:
+        """Every reservation but ``owner``'s: refunded when ``owner`` refuses."""
+        return [e.reservation for e in self.entries if e.owner is not owner]
+
+    def fields(self) -> dict[str, str]:
+        return ratelimit_fields([e.applied for e in self.entries])
+
+    def reservation(self, name: str | None) -> Reservation | AsyncReservation:
+        """The reservation of the limit called ``name`` (``None``: the only one)."""
+        if name is not None:
+            for entry in self.entries:
+                if entry.applied.name == name:
+                    return entry.reservation
+            raise LookupError(f"no limit named {name!r} applied to this request")
+        if len(self.entries) == 1:
+            return self.entries[0].reservation
+        if not self.entries:
+            raise LookupError("no limit applied to this request")
+        names = [e.applied.name for e in self.entries]
+        raise LookupError(f"several limits apply to this request; name one of {names!r}")

@@ -1,0 +1,128 @@
+"""Reservations: reserve the largest cost up front, give back the unused part."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Generic, TypeVar
+
+from bucketlimit._core import Decision
+from bucketlimit._web.limiters import AnyLimiter, SyncLimiter
+
+
+def _check_used(used: int) -> int:
+    if isinstance(used, bool) or not isinstance(used, int):
+        raise TypeError(f"used must be an int, got {type(used).__name__}")
+    if used < 0:
+        raise ValueError(f"used must be >= 0, got {used}")
+    return used
+
+
+L = TypeVar("L")
+
+
+class _ReservationBase(Generic[L]):
+    __slots__ = ("_limiter", "_lock", "_settled", "charged", "decision", "key")
+
+    def __init__(self, limiter: L | None, key: str, charged: int, decision: Decision | None):
+        self._limiter = limiter
+        self.key = key
+        #: Tokens this reservation holds (0 when refused, exempt, or settled).
+        self.charged = charged
+        #: The limiter's answer; ``None`` when the request was exempt.
+        self.decision = decision
+        self._settled = False
+        self._lock = threading.Lock()
+
+    @property
+    def allowed(self) -> bool:
+        """True when the request may go on (exempt requests included)."""
+        return self.decision is None or self.decision.allowed
+
+    def _take_refund(self, used: int) -> int:
+        """How many tokens to give back now; marks the reservation settled."""
+        _check_used(used)
+        with self._lock:
+            if self._settled:
+                return 0
+            self._settled = True
+            refund = max(0, self.charged - used)
+            self.charged = min(self.charged, used)
+            return refund
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(key={self.key!r}, charged={self.charged}, "
+            f"settled={self._settled}, decision={self.decision!r})"
+        )
+
+
+class Reservation(_ReservationBase[SyncLimiter]):
+    """Tokens taken before a handler runs; ``settle`` gives back what it did not use.
+
+    Made by :func:`reserve` and by the adapters. ``settle(used)`` refunds
+    ``charged - used`` once; later calls do nothing and return 0, so it is safe
+    in a ``finally`` or a callback that may run twice. It never charges more than
+    was reserved: ``used`` above the reservation refunds nothing. A refused or
+    exempt reservation holds nothing to give back.
+    """
+
+    __slots__ = ()
+
+    def settle(self, used: int) -> int:
+        """Keeps ``used`` tokens, refunds the rest; returns how many were refunded."""
+        refund = self._take_refund(used)
+        if refund and self._limiter is not None:
+            self._limiter.refund(self.key, refund)
+        return refund
+
+    def cancel(self) -> int:
+        """Refunds everything (the request did not run); same as ``settle(0)``."""
+        return self.settle(0)
+
+
+class AsyncReservation(_ReservationBase[AnyLimiter]):
+    """:class:`Reservation` for async code: ``await settle(used)``.
+
+    Works with both kinds of limiter: a coroutine ``refund`` is awaited, the
+    in-process one is called directly.
+    """
+
+    __slots__ = ()
+
+    async def settle(self, used: int) -> int:
+        """Keeps ``used`` tokens, refunds the rest; returns how many were refunded."""
+        refund = self._take_refund(used)
+        if refund and self._limiter is not None:
+            result = self._limiter.refund(self.key, refund)
+            if inspect.isawaitable(result):
+                await result
+        return refund
+
+    async def cancel(self) -> int:
+        """Refunds everything (the request did not run); same as ``settle(0)``."""
+        return await self.settle(0)
+
+
+def reserve(limiter: SyncLimiter, key: str, max_cost: int) -> Reservation:
+    """Spends ``max_cost`` now, if the bucket holds it; settle the real cost later.
+
+    >>> from bucketlimit import TokenBucketLimiter
+    >>> limiter = TokenBucketLimiter(1000, 0)
+    >>> r = reserve(limiter, "user-1", 500)   # the request may generate 500 tokens
+    >>> r.allowed, r.decision.remaining
+    (True, 500)
+    >>> r.settle(120)                         # it generated 120: 380 come back
+    380
+    >>> limiter.allow("user-1", 880).remaining   # 1000 - 120 were left
+    0
+    """
+    decision = limiter.allow(key, max_cost)
+    return Reservation(limiter, key, max_cost if decision.allowed else 0, decision)
+
+
+async def reserve_async(limiter: AnyLimiter, key: str, max_cost: int) -> AsyncReservation:
+    """:func:`reserve` for async code and either kind of limiter."""
+    answer = limiter.allow(key, max_cost)
+    decision: Decision = await answer if inspect.isawaitable(answer) else answer
+    return AsyncReservation(limiter, key, max_cost if decision.allowed else 0, decision)
