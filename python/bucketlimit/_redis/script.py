@@ -1,0 +1,87 @@
+"""The Lua script (``bucket.lua``, the twin of ``src/bucket.rs``), its arguments and replies.
+
+``bucket.lua`` as written is the general form, which ``allow_all`` runs with each
+bucket's configuration as arguments. Each limiter runs its own form
+(:func:`specialize`): its configuration written into the script, so that the common
+call, an allow of one token on the server's clock, sends one key and no argument.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import re
+from importlib import resources
+from typing import Any, Final
+
+from bucketlimit._core import Decision
+
+#: Lua numbers are doubles: integers are exact below 2**53 and no further.
+LUA_EXACT: Final = 2**53
+
+#: The ``now`` argument that asks the general script to read the server's TIME.
+SERVER_TIME: Final = b""
+
+#: The arguments of the common call: an allow of one token on the server's clock.
+NO_ARGS: Final[tuple[Any, ...]] = ()
+
+
+class Mode(enum.Enum):
+    """What a call does; the value is the script's mode argument (ARGV[2])."""
+
+    ALLOW = b"a"
+    PEEK = b"p"
+    REFUND = b"r"
+    RESET = b"d"  # not a script mode: a reset deletes the bucket's key
+
+
+class Script:
+    """A Lua script and its SHA1, the name EVALSHA knows it by."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
+
+
+#: bucket.lua as written: the general form, which allow_all runs.
+BUCKET_SCRIPT: Final = Script(
+    resources.files("bucketlimit._redis").joinpath("bucket.lua").read_text("utf-8")
+)
+
+# The one line of bucket.lua that reads a bucket's configuration from ARGV.
+_CONFIG_LINE: Final = re.compile(r"^(\s*local capacity, unit, p = ).*-- config$", re.MULTILINE)
+
+
+def specialize(template: str, capacity: int, unit: int, p: int) -> str:
+    """A limiter's own form of the script: ``template`` (bucket.lua) with the limiter's
+    configuration written into the line marked ``config``, so that a call sends one key
+    and at most three arguments. Comment lines are dropped: Redis keeps one copy of each
+    distinct script for as long as it runs."""
+    source, found = _CONFIG_LINE.subn(rf"\g<1>{capacity}, {unit}, {p}", template)
+    if found != 1:
+        raise RuntimeError("bucket.lua has no line ending in '-- config'")
+    lines = [line for line in source.splitlines() if line.strip() and not _is_comment(line)]
+    return "\n".join(lines) + "\n"
+
+
+def _is_comment(line: str) -> bool:
+    return line.lstrip().startswith("--")
+
+
+def _seconds(micros: int) -> float:
+    """A wait from the script: whole microseconds, -1 for never."""
+    return math.inf if micros < 0 else micros / 1_000_000
+
+
+def decision(reply: Any, limit: int) -> Decision:
+    """The script's reply ``{retry_after_us, remaining, reset_after_us[, limit]}``;
+    ``limit`` is the capacity of the one bucket asked about."""
+    retry_after, remaining, reset_after = reply[0], reply[1], reply[2]
+    if len(reply) > 3:
+        limit = reply[3]  # several buckets: the tightest one's
+    return Decision(
+        retry_after == 0, _seconds(retry_after), remaining, _seconds(reset_after), limit
+    )
