@@ -370,6 +370,32 @@ impl TokenBucketLimiter {
         Ok(self.registry.peek(key.as_str()?, cost.0, now)?.into())
     }
 
+    /// The local fallback of a distributed limiter (`bucketlimit._redis`): what
+    /// `allow` (or, with `spend=False`, `peek`) answers for `cost` charged at most
+    /// this limiter's capacity (the process's share), marked degraded. One call,
+    /// so a degraded answer goes from Python to Rust and back once.
+    #[pyo3(name = "_fallback")]
+    fn fallback(
+        &self,
+        py: Python<'_>,
+        key: Key<'_, '_>,
+        cost: Cost,
+        spend: bool,
+    ) -> PyResult<Decision> {
+        let now = self.now(py)?;
+        let cost = cost.0.min(i128::from(self.config().capacity));
+        let key = key.as_str()?;
+        let decision = if spend {
+            self.registry.allow(key, cost, now)?
+        } else {
+            self.registry.peek(key, cost, now)?
+        };
+        Ok(Decision {
+            degraded: true,
+            ..decision.into()
+        })
+    }
+
     /// Gives back tokens reserved but not used; never above capacity.
     fn refund(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<()> {
         let now = self.now(py)?;

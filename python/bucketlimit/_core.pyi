@@ -79,6 +79,9 @@ class TokenBucketLimiter:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
     def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """What ``allow`` would answer now; changes no state at all."""
+    def _fallback(self, key: str, cost: SupportsIndex, spend: bool) -> Decision:
+        """A distributed limiter's local fallback: ``allow`` (``spend``) or ``peek`` of
+        ``cost`` charged at most the capacity, marked degraded."""
     def refund(self, key: str, cost: SupportsIndex) -> None:
         """Gives back ``cost`` tokens reserved but not used; never above capacity."""
     def reset(self, key: str) -> None:

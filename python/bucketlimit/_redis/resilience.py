@@ -354,9 +354,7 @@ class Fallback:
     def decide(self, key: str, cost: int, *, peek: bool) -> Decision:
         if self.local is None:
             return self._open if self.policy == OPEN else self._closed
-        charged = min(cost, self.share)
-        answer = self.local.peek(key, charged) if peek else self.local.allow(key, charged)
-        return degraded(answer)
+        return self.local._fallback(key, cost, not peek)  # charged at most the share
 
     def refund(self, key: str, cost: int) -> None:
         if self.local is not None:
