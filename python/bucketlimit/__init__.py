@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex, overload
 
 from bucketlimit import _core
 from bucketlimit._core import MAX_KEY_BYTES, Decision, TokenBucketLimiter, __version__
+from bucketlimit._errors import ConfigurationError
 
 if TYPE_CHECKING:
     from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
@@ -24,7 +25,14 @@ if TYPE_CHECKING:
 # them, and nowhere when it has configured none.
 logging.getLogger("bucketlimit").addHandler(logging.NullHandler())
 
-__all__ = ["MAX_KEY_BYTES", "Decision", "TokenBucketLimiter", "__version__", "allow_all"]
+__all__ = [
+    "MAX_KEY_BYTES",
+    "ConfigurationError",
+    "Decision",
+    "TokenBucketLimiter",
+    "__version__",
+    "allow_all",
+]
 
 
 @overload

@@ -23,7 +23,6 @@ and ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11), one field each.
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,16 +33,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bucketlimit._core import Decision
-from bucketlimit._web.addresses import Network, TrustedProxies, forwarded_client
+from bucketlimit._web.addresses import Network, client_address_key
 from bucketlimit._web.fields import refusal_body, refusal_headers
-from bucketlimit._web.limiters import AnyLimiter, AsyncLimiter, SyncLimiter
 from bucketlimit._web.limits import (
     ConfigurationError,
     KeyFunctionError,
     LimitSettings,
     RequestLimits,
+    run_async,
 )
-from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve_async
+from bucketlimit._web.reservations import AsyncReservation, reserve_async
 
 __all__ = [
     "AsyncReservation",
@@ -63,11 +62,6 @@ _STATE = "bucketlimit"
 _FIELD_NAMES = (b"ratelimit", b"ratelimit-policy")
 
 
-async def _resolve(value: Any) -> Any:
-    """A user function's answer; key, cost and exempt functions may be ``async def``."""
-    return await value if inspect.isawaitable(value) else value
-
-
 def client_address(trusted_proxies: Iterable[str | Network] = ()) -> Callable[[Request], str]:
     """A key function: the client's IP address.
 
@@ -78,20 +72,16 @@ def client_address(trusted_proxies: Iterable[str | Network] = ()) -> Callable[[R
     ``--proxy-headers`` with a broad ``--forwarded-allow-ips``: it rewrites the peer
     before this function sees it.)
     """
-    trusted = TrustedProxies(trusted_proxies)
+    return client_address_key(
+        trusted_proxies,
+        lambda request: request.client.host if request.client is not None else None,
+        lambda request: request.headers.getlist("x-forwarded-for"),
+        "scope['client'] is None",
+    )
 
-    def key(request: Request) -> str:
-        peer = request.client.host if request.client is not None else None
-        address = forwarded_client(peer, request.headers.getlist("x-forwarded-for"), trusted)
-        if address is None:
-            raise KeyFunctionError(
-                "the request has no peer address (scope['client'] is None), so "
-                "client_address() cannot key it; give the limit another key="
-            )
-        return address
 
-    key.__qualname__ = f"client_address({list(map(str, trusted.networks))!r})"
-    return key
+def _describe(request: Request) -> str:
+    return f"{request.method} {request.url.path}"
 
 
 #: The default key: the direct peer address, ``X-Forwarded-For`` ignored.
@@ -169,18 +159,7 @@ class Limit(LimitSettings[Request]):
     refunded: the request did not run.
     """
 
-    def __init__(
-        self,
-        limiter: SyncLimiter | AsyncLimiter,
-        *,
-        key: Callable[[Request], Any] = remote_address,
-        cost: int | Callable[[Request], Any] = 1,
-        name: str = "default",
-        shadow: bool = False,
-        exempt: Callable[[Request], Any] | None = None,
-    ) -> None:
-        super().__init__(limiter, key=key, cost=cost, name=name, shadow=shadow, exempt=exempt)
-        self._limiter: AnyLimiter = limiter
+    default_key = staticmethod(remote_address)
 
     async def __call__(self, request: Request, response: Response) -> AsyncReservation:
         held, refused = await self.apply(request)
@@ -192,37 +171,16 @@ class Limit(LimitSettings[Request]):
             response.headers[name] = value  # replaces: the last limit writes every member
         return held
 
-    async def _answer(self, method: str, key: str, cost: int) -> Decision:
-        result = getattr(self._limiter, method)(key, cost)
-        decision: Decision = await result if self._is_async else result
-        return decision
-
     async def apply(self, request: Request) -> tuple[AsyncReservation, bool]:
         """Applies the limit: the request's reservation, and whether to answer 429."""
-        if self.exempt is not None and await _resolve(self.exempt(request)):
-            return AsyncReservation(None, "", 0, None), False
-        limits = _request_limits(request.scope)
-        found = limits.find(self)
-        if found is not None:  # already applied (middleware and dependency)
-            assert isinstance(found, AsyncReservation)
-            return found, False
-        where = f"{request.method} {request.url.path}"
-        key = self.checked_key(await _resolve(self.key(request)), where)
-        cost = await _resolve(self.cost(request)) if callable(self.cost) else self.cost
-        if self.can_never_pass(cost):
-            decision = self.never(await self._answer("peek", key, self._limiter.capacity))
-        else:
-            decision = await self._answer("allow", key, cost)
-        held = AsyncReservation(self._limiter, key, cost if decision.allowed else 0, decision)
-        limits.add(self, self.applied(decision), held)
-        if not self.refuses(decision, key, cost, where):
-            return held, False
-        for other in limits.others(self):
-            if isinstance(other, Reservation):  # pragma: no cover - only Flask makes these
-                other.cancel()
-            else:
-                await other.cancel()
-        return held, True
+        held, refused = await run_async(
+            self.procedure(
+                request, lambda: _request_limits(request.scope), _describe, AsyncReservation
+            )
+        )
+        if held is None:  # exempt: no limit, no charge
+            held = AsyncReservation(None, "", 0, None)
+        return held, refused
 
 
 class _Replay:

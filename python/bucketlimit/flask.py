@@ -30,14 +30,16 @@ from typing import Any, TypeVar, cast
 import flask
 from flask import Flask, Request, Response, current_app, g, jsonify
 
-from bucketlimit._web.addresses import Network, TrustedProxies, forwarded_client
+from bucketlimit._core import Decision
+from bucketlimit._web.addresses import Network, client_address_key
 from bucketlimit._web.fields import refusal_body, refusal_headers
-from bucketlimit._web.limiters import SyncLimiter
+from bucketlimit._web.limiters import AnyLimiter, SyncLimiter, is_async_limiter
 from bucketlimit._web.limits import (
     ConfigurationError,
     KeyFunctionError,
     LimitSettings,
     RequestLimits,
+    run,
 )
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve
 
@@ -67,21 +69,12 @@ def client_address(trusted_proxies: Iterable[str | Network] = ()) -> Callable[[R
     pick its own key by sending one. Behind proxies, list their networks; the key
     is then the right-most ``X-Forwarded-For`` hop that is not one of them.
     """
-    trusted = TrustedProxies(trusted_proxies)
-
-    def key(request: Request) -> str:
-        address = forwarded_client(
-            request.remote_addr, request.headers.getlist("X-Forwarded-For"), trusted
-        )
-        if address is None:
-            raise KeyFunctionError(
-                "the request has no peer address (REMOTE_ADDR is missing), so "
-                "client_address() cannot key it; give the limit another key="
-            )
-        return address
-
-    key.__qualname__ = f"client_address({list(map(str, trusted.networks))!r})"
-    return key
+    return client_address_key(
+        trusted_proxies,
+        lambda request: request.remote_addr,
+        lambda request: request.headers.getlist("X-Forwarded-For"),
+        "REMOTE_ADDR is missing",
+    )
 
 
 #: The default key: the direct peer address, ``X-Forwarded-For`` ignored.
@@ -90,6 +83,11 @@ remote_address = client_address()
 
 def _describe(request: Request) -> str:
     return f"{request.method} {request.path}"
+
+
+def _hold(limiter: AnyLimiter, key: str, charged: int, decision: Decision) -> Reservation:
+    """A Flask request's reservation (its limiter is synchronous: see Limit)."""
+    return Reservation(cast(SyncLimiter, limiter), key, charged, decision)
 
 
 def _request_limits() -> RequestLimits:
@@ -130,23 +128,14 @@ class Limit(LimitSettings[Request]):
     are refunded: the request did not run.
     """
 
-    def __init__(
-        self,
-        limiter: SyncLimiter,
-        *,
-        key: Callable[[Request], Any] = remote_address,
-        cost: int | Callable[[Request], Any] = 1,
-        name: str = "default",
-        shadow: bool = False,
-        exempt: Callable[[Request], Any] | None = None,
-    ) -> None:
-        super().__init__(limiter, key=key, cost=cost, name=name, shadow=shadow, exempt=exempt)
-        if self._is_async:
+    default_key = staticmethod(remote_address)
+
+    def check_limiter(self, limiter: AnyLimiter) -> None:
+        if is_async_limiter(limiter):
             raise TypeError(
                 "Flask views are synchronous: use TokenBucketLimiter or "
                 "RedisTokenBucketLimiter, not an asyncio limiter"
             )
-        self._sync: SyncLimiter = limiter
 
     def __call__(self, view: F) -> F:
         """Limits one view. Stack several, each with its own ``name``."""
@@ -162,42 +151,19 @@ class Limit(LimitSettings[Request]):
 
     def check(self) -> Response | None:
         """Applies the limit to the current request: a 429 response, or ``None`` to go on."""
-        request = flask.request
-        if self.exempt is not None and self.exempt(request):
+        held, refused = run(self.procedure(flask.request, _request_limits, _describe, _hold))
+        if not refused:
             return None
-        limits = _request_limits()
-        if limits.find(self) is not None:
-            return None  # already applied to this request (app-wide and on the view)
-        where = _describe(request)
-        key = self.checked_key(self.key(request), where)
-        cost = self.cost(request) if callable(self.cost) else self.cost
-        if self.can_never_pass(cost):
-            decision = self.never(self._sync.peek(key, self._sync.capacity))
-        else:
-            decision = self._sync.allow(key, cost)
-        held = Reservation(self._sync, key, cost if decision.allowed else 0, decision)
-        limits.add(self, self.applied(decision), held)
-        if not self.refuses(decision, key, cost, where):
-            return None
-        for other in limits.others(self):
-            cast(Reservation, other).cancel()
-        response = jsonify(refusal_body(decision))
+        assert held is not None  # an exempt request is never refused
+        assert held.decision is not None
+        response = jsonify(refusal_body(held.decision))
         response.status_code = 429
-        response.headers.update(refusal_headers(decision))
+        response.headers.update(refusal_headers(held.decision))
         return response
 
 
-def limit(
-    limiter: SyncLimiter,
-    *,
-    key: Callable[[Request], Any] = remote_address,
-    cost: int | Callable[[Request], Any] = 1,
-    name: str = "default",
-    shadow: bool = False,
-    exempt: Callable[[Request], Any] | None = None,
-) -> Limit:
-    """``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``."""
-    return Limit(limiter, key=key, cost=cost, name=name, shadow=shadow, exempt=exempt)
+#: ``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``.
+limit = Limit
 
 
 class RateLimit:

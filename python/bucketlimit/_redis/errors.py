@@ -40,6 +40,8 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from bucketlimit import _errors
+
 
 class CorruptBucketError(ResponseError):
     """A bucket's key holds a value the script does not recognise as a bucket.
@@ -51,7 +53,7 @@ class CorruptBucketError(ResponseError):
     """
 
 
-class ConfigurationError(Exception):
+class ConfigurationError(_errors.ConfigurationError):
     """Redis refused the limiter's commands for a reason no retry will fix.
 
     Wrong credentials, an ACL that forbids EVALSHA, EVAL or the limiter's keys, a

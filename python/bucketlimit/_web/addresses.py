@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from bucketlimit._web.limits import KeyFunctionError
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -94,3 +97,35 @@ def forwarded_client(
             return str(address)
     leftmost = _parse_address(hops[0])
     return str(leftmost)
+
+
+R = TypeVar("R")  # the framework's request type
+
+
+def client_address_key(
+    trusted_proxies: Iterable[str | Network],
+    peer: Callable[[R], str | None],
+    forwarded_for: Callable[[R], Iterable[str]],
+    missing: str,
+) -> Callable[[R], str]:
+    """The adapters' ``client_address`` key function, for a framework that reads the
+    peer address with ``peer(request)`` and the ``X-Forwarded-For`` lines with
+    ``forwarded_for(request)``; ``missing`` says where a missing peer should be.
+
+    With no trusted proxies (the default) the key is the direct peer and
+    ``X-Forwarded-For`` is ignored: a client cannot pick its own key by sending one.
+    Behind proxies, the key is the right-most hop that is not one of them.
+    """
+    trusted = TrustedProxies(trusted_proxies)
+
+    def key(request: R) -> str:
+        address = forwarded_client(peer(request), forwarded_for(request), trusted)
+        if address is None:
+            raise KeyFunctionError(
+                f"the request has no peer address ({missing}), so client_address() "
+                "cannot key it; give the limit another key="
+            )
+        return address
+
+    key.__qualname__ = f"client_address({list(map(str, trusted.networks))!r})"
+    return key

@@ -4,23 +4,28 @@ become one field with several members, never repeated fields."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
+from bucketlimit import _errors
 from bucketlimit._core import Decision
 from bucketlimit._web.fields import Applied, ratelimit_fields, retry_after_seconds, window_seconds
-from bucketlimit._web.limiters import AnyLimiter, is_async_limiter
+from bucketlimit._web.limiters import AnyLimiter
 from bucketlimit._web.reservations import AsyncReservation, Reservation
 
 logger = logging.getLogger("bucketlimit")
 
 
-class ConfigurationError(RuntimeError):
-    """The app configured a limit in a way that cannot work (raised while serving)."""
+class ConfigurationError(_errors.ConfigurationError, RuntimeError):
+    """The app configured a limit in a way that cannot work (raised while serving).
+
+    A :class:`bucketlimit.ConfigurationError`, and a ``RuntimeError`` as it always was.
+    """
 
 
 class KeyFunctionError(ConfigurationError):
@@ -28,6 +33,13 @@ class KeyFunctionError(ConfigurationError):
 
 
 R = TypeVar("R")  # the framework's request type
+H = TypeVar("H", Reservation, AsyncReservation)  # the adapter's kind of reservation
+T = TypeVar("T")
+
+#: A call the procedure needs answered: a function and its arguments.
+Step = tuple[Callable[..., Any], tuple[Any, ...]]
+#: An adapter's procedure: yields steps, is sent their answers, returns its result.
+Procedure = Generator[Step, Any, T]
 
 KeyFunc = Callable[[R], Any]
 CostSpec = int | Callable[[R], Any]
@@ -48,11 +60,14 @@ class LimitSettings(Generic[R]):
     The adapters subclass it; everything here is framework-free.
     """
 
+    #: The key when none is given (each adapter's ``remote_address``).
+    default_key: ClassVar[staticmethod[[Any], Any] | None] = None
+
     def __init__(
         self,
         limiter: AnyLimiter,
         *,
-        key: KeyFunc[R],
+        key: KeyFunc[R] | None = None,
         cost: CostSpec[R] = 1,
         name: str = "default",
         shadow: bool = False,
@@ -61,6 +76,8 @@ class LimitSettings(Generic[R]):
         for method in ("allow", "peek", "refund"):
             if not callable(getattr(limiter, method, None)):
                 raise TypeError(f"limiter has no {method}() method: {limiter!r}")
+        if key is None:
+            key = type(self).default_key
         if not callable(key):
             raise TypeError(f"key must be a function of the request, got {key!r}")
         if not callable(cost):
@@ -70,6 +87,7 @@ class LimitSettings(Generic[R]):
                 raise ValueError(f"cost must be >= 1, got {cost}")
         if exempt is not None and not callable(exempt):
             raise TypeError(f"exempt must be a predicate of the request, got {exempt!r}")
+        self.check_limiter(limiter)
         self.limiter = limiter
         self.key = key
         self.cost = cost
@@ -77,9 +95,11 @@ class LimitSettings(Generic[R]):
         self.shadow = bool(shadow)
         self.exempt = exempt
         self.window = window_seconds(limiter.capacity, limiter.rate)
-        self._is_async = is_async_limiter(limiter)
         self._lock = threading.Lock()
         self._shadow_refusals = 0
+
+    def check_limiter(self, limiter: AnyLimiter) -> None:
+        """Refuses a limiter this adapter cannot drive (``TypeError``); any by default."""
 
     @property
     def shadow_refusals(self) -> int:
@@ -118,6 +138,45 @@ class LimitSettings(Generic[R]):
 
     def applied(self, decision: Decision) -> Applied:
         return Applied(self.name, decision, self.window)
+
+    def procedure(
+        self,
+        request: R,
+        limits_of: Callable[[], RequestLimits],
+        describe: Callable[[R], str],
+        hold: Callable[[AnyLimiter, str, int, Decision], H],
+    ) -> Procedure[tuple[H | None, bool]]:
+        """Applies this limit to ``request``: the one procedure of every adapter.
+
+        It yields each call whose answer may have to be awaited (the app's key, cost
+        and exempt functions, the limiter, the refunds) as ``(function, args)``, to
+        be sent the answer: Flask drives it with :func:`run`, FastAPI with
+        :func:`run_async`. ``limits_of()`` is the request's :class:`RequestLimits`,
+        ``describe(request)`` says which request it is in logs and errors, ``hold``
+        makes the adapter's kind of reservation. Returns the reservation (``None``
+        when the request is exempt) and whether to answer 429.
+        """
+        if self.exempt is not None and (yield self.exempt, (request,)):
+            return None, False
+        limits = limits_of()
+        found = limits.find(self)
+        if found is not None:  # already applied to this request (app-wide and per route)
+            return cast(H, found), False
+        where = describe(request)
+        key = self.checked_key((yield self.key, (request,)), where)
+        cost = (yield self.cost, (request,)) if callable(self.cost) else self.cost
+        limiter = self.limiter
+        if self.can_never_pass(cost):
+            decision = self.never((yield limiter.peek, (key, limiter.capacity)))
+        else:
+            decision = yield limiter.allow, (key, cost)
+        held = hold(limiter, key, cost if decision.allowed else 0, decision)
+        limits.add(self, self.applied(decision), held)
+        if not self.refuses(decision, key, cost, where):
+            return held, False
+        for other in limits.others(self):  # the request did not run: refund the others
+            yield other.cancel, ()
+        return held, True
 
     def refuses(self, decision: Decision, key: str, cost: int, where: str) -> bool:
         """Whether to answer 429: counts and logs a shadow limit's would-be refusal."""
@@ -192,3 +251,33 @@ class RequestLimits:
             raise LookupError("no limit applied to this request")
         names = [e.applied.name for e in self.entries]
         raise LookupError(f"several limits apply to this request; name one of {names!r}")
+
+
+async def run_async(procedure: Procedure[T]) -> T:
+    """Drives a procedure for an asyncio framework: each step is called, and awaited
+    when it answers with an awaitable (an ``async def`` key function, the asyncio
+    Redis limiter)."""
+    answer = None
+    while True:
+        try:
+            function, args = procedure.send(answer)
+        except StopIteration as done:
+            return cast(T, done.value)
+        answer = function(*args)
+        if inspect.isawaitable(answer):
+            answer = await answer
+
+
+def run(procedure: Procedure[T]) -> T:
+    """Drives a procedure for a synchronous framework: :func:`run_async` run to its
+    end at once, without an event loop (nothing it awaits there can suspend)."""
+    coroutine = run_async(procedure)
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coroutine.close()
+    raise ConfigurationError(
+        "a key, cost or exempt function of a synchronous framework's limit waited on "
+        "something asynchronous; use a plain function there"
+    )
