@@ -16,7 +16,7 @@ import pytest
 
 from bucketlimit.testing import ManualClock
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCK = re.compile(
     r"(?:<!-- readme-test: (?P<needs>[a-z]+) -->\n)?```python\n(?P<code>.*?)```", re.S
 )
@@ -42,7 +42,7 @@ def test_readme_block_runs(code: str, needs: str, request: pytest.FixtureRequest
     if needs == "redis":
         url = request.getfixturevalue("redis_url")
         request.getfixturevalue("monkeypatch").setenv("REDIS_URL", url)
-    namespace: dict[str, Any] = {"__name__": "readme"}
+    namespace: dict[str, Any] = {"__name__": "doc_block"}
     exec(compile(code, str(README), "exec"), namespace)
     for name, value in namespace.items():
         if name.startswith("test_") and callable(value):
