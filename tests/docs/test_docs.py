@@ -1,14 +1,21 @@
-"""Every Python block in the README runs, as a newcomer would paste it.
+"""Every Python block of the README and of ``docs/*.md`` runs, as a newcomer would paste it.
 
 A block that defines ``test_*`` functions has them called too, with a fresh
 ``ManualClock`` for a ``manual_clock`` parameter. A block preceded by the line
-``<!-- readme-test: redis -->`` gets a real server's address in ``REDIS_URL``.
+``<!-- docs-test: redis -->`` gets a real server's address in ``REDIS_URL``
+(the ``redis_url`` fixture of ``tests/redis_servers.py``, which the root
+``tests/conftest.py`` loads as a plugin for every test under ``tests/``).
+
+Each file must hold exactly the number of blocks listed in ``EXPECTED_BLOCKS``,
+and every `````python`` fence in it must be one the pattern found, so a broken
+pattern (or a file left out) cannot pass by running nothing.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,34 +23,99 @@ import pytest
 
 from bucketlimit.testing import ManualClock
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Python blocks per file, Redis ones included; a new doc or block changes this.
+EXPECTED_BLOCKS: dict[str, int] = {
+    "README.md": 7,
+    "docs/benchmarks.md": 0,
+    "docs/cli.md": 0,
+    "docs/design.md": 1,
+    "docs/redis.md": 6,
+    "docs/web.md": 5,
+}
+#: Of those, the blocks that need a Redis server.
+EXPECTED_REDIS_BLOCKS: dict[str, int] = {"README.md": 1, "docs/redis.md": 3, "docs/web.md": 1}
+
+MARKER = "<!-- docs-test: redis -->"
 BLOCK = re.compile(
-    r"(?:<!-- readme-test: (?P<needs>[a-z]+) -->\n)?```python\n(?P<code>.*?)```", re.S
+    r"(?:^<!-- docs-test: (?P<needs>[a-z]+) -->\n)?^```python\n(?P<code>.*?)^```$",
+    re.S | re.M,
 )
 
 
-def blocks() -> list[Any]:
-    text = README.read_text(encoding="utf-8")
-    found = []
-    for match in BLOCK.finditer(text):
-        line = text.count("\n", 0, match.start("code")) + 1
-        needs = match.group("needs") or ""
-        marks = [pytest.mark.redis] if needs == "redis" else []
-        found.append(pytest.param(match.group("code"), needs, id=f"line-{line}", marks=marks))
-    return found
+@dataclass(frozen=True)
+class Block:
+    path: str  # relative to the repository root
+    line: int  # of the block's first line of code
+    needs: str  # "" or "redis"
+    code: str
 
 
-def test_readme_has_python_blocks() -> None:
-    assert len(blocks()) >= 5
+def doc_files() -> list[str]:
+    return ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
 
 
-@pytest.mark.parametrize(("code", "needs"), blocks())
-def test_readme_block_runs(code: str, needs: str, request: pytest.FixtureRequest) -> None:
-    if needs == "redis":
-        url = request.getfixturevalue("redis_url")
-        request.getfixturevalue("monkeypatch").setenv("REDIS_URL", url)
+def blocks_of(path: str) -> list[Block]:
+    text = (ROOT / path).read_text(encoding="utf-8")
+    return [
+        Block(
+            path,
+            text.count("\n", 0, match.start("code")) + 1,
+            match.group("needs") or "",
+            match.group("code"),
+        )
+        for match in BLOCK.finditer(text)
+    ]
+
+
+def all_blocks() -> list[Any]:
+    return [
+        pytest.param(
+            block,
+            id=f"{block.path}:{block.line}",
+            marks=[pytest.mark.redis] if block.needs == "redis" else [],
+        )
+        for path in doc_files()
+        for block in blocks_of(path)
+    ]
+
+
+def test_every_doc_has_its_expected_blocks() -> None:
+    assert doc_files() == sorted(EXPECTED_BLOCKS, key=lambda p: (p != "README.md", p))
+    for path in doc_files():
+        text = (ROOT / path).read_text(encoding="utf-8")
+        found = blocks_of(path)
+        fences = re.findall(r"^```python$", text, re.M)
+        assert len(found) == len(fences), f"{path}: a python fence the pattern missed"
+        assert len(found) == EXPECTED_BLOCKS[path], path
+        redis = [b for b in found if b.needs == "redis"]
+        assert len(redis) == EXPECTED_REDIS_BLOCKS.get(path, 0), path
+        assert text.count(MARKER) == len(redis), f"{path}: a marker not right above a block"
+        assert "readme-test" not in text, f"{path}: the old marker name"
+    assert sum(EXPECTED_BLOCKS.values()) >= 5
+
+
+def test_docs_reference_nothing_outside_the_repository() -> None:
+    for path in doc_files():
+        text = (ROOT / path).read_text(encoding="utf-8")
+        assert "../shared" not in text, path
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target:
+                continue
+            resolved = ((ROOT / path).parent / target).resolve()
+            assert resolved.is_relative_to(ROOT), f"{path}: {target} leaves the repository"
+            assert resolved.exists(), f"{path}: {target} does not exist"
+
+
+@pytest.mark.parametrize("block", all_blocks())
+def test_doc_block_runs(block: Block, request: pytest.FixtureRequest) -> None:
+    if block.needs == "redis":
+        url: str = request.getfixturevalue("redis_url")
+        monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setenv("REDIS_URL", url)
     namespace: dict[str, Any] = {"__name__": "doc_block"}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(block.code, f"{ROOT / block.path}:{block.line}", "exec"), namespace)
     for name, value in namespace.items():
         if name.startswith("test_") and callable(value):
             params = inspect.signature(value).parameters
