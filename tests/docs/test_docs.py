@@ -96,16 +96,25 @@ def test_every_doc_has_its_expected_blocks() -> None:
     assert sum(EXPECTED_BLOCKS.values()) >= 5
 
 
-def test_docs_reference_nothing_outside_the_repository() -> None:
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file."""
+    text = re.sub(r"^```.*?^```$", "", path.read_text(encoding="utf-8"), flags=re.S | re.M)
+    headings = re.findall(r"^#{1,6} (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_links_stay_inside_the_repository_and_resolve() -> None:
     for path in doc_files():
         text = (ROOT / path).read_text(encoding="utf-8")
         assert "../shared" not in text, path
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
             if "://" in target:
                 continue
-            resolved = ((ROOT / path).parent / target).resolve()
+            resolved = ((ROOT / path).parent / target).resolve() if target else ROOT / path
             assert resolved.is_relative_to(ROOT), f"{path}: {target} leaves the repository"
             assert resolved.exists(), f"{path}: {target} does not exist"
+            if anchor:
+                assert anchor in anchors(resolved), f"{path}: no heading for {target}#{anchor}"
 
 
 @pytest.mark.parametrize("block", all_blocks())
