@@ -1,8 +1,9 @@
 //! Time in integer microseconds: the built-in monotonic clock, and the rule
-//! that turns a clock's seconds into microseconds (DESIGN §4).
+//! that turns a clock's seconds into microseconds (docs/design.md §4).
 //!
-//! Must match `python/bucketlimit/_units.py`: `round(seconds * 1_000_000)`
-//! with Python's round-half-to-even.
+//! The rule is `round(seconds * 1_000_000)` with Python's round-half-to-even.
+//! The Redis limiter does not copy it: it calls this code through
+//! `_core.clock_to_micros` (`py.rs`), so both backends read a clock alike.
 
 use std::sync::OnceLock;
 

@@ -4,8 +4,8 @@
 //! shortest decimal form of each number (`0.1` is 1/10, never
 //! 0.1000000000000000055...). One token is `U = q * 1_000_000` units, so one
 //! microsecond refills exactly `p` units and no arithmetic ever rounds.
-//! `python/bucketlimit/_units.py` computes the same numbers for the Redis
-//! script; the two must agree.
+//! The Redis script gets the same numbers from here, not from a copy: the
+//! Redis limiter calls `_core.exact_units` (`py.rs`).
 
 use crate::error::Error;
 
