@@ -1,4 +1,4 @@
--- The token bucket of DESIGN §4, run atomically inside Redis.
+-- The token bucket of docs/design.md §4, run atomically inside Redis.
 --
 -- Must match src/bucket.rs: the same integer units and the same rounding, so
 -- RedisTokenBucketLimiter and the in-process TokenBucketLimiter give identical
@@ -20,7 +20,7 @@
 --           now   microseconds, or '' to read the server's TIME
 --           capacity, unit (units per token), p (units refilled per µs)
 --
--- Each limiter runs its own form (redis.py, _specialize): the line marked
+-- Each limiter runs its own form (script.py, specialize): the line marked
 -- "config" below with the limiter's three numbers written in. It takes one
 -- key, and ARGV is only cost (1 when absent), then the mode ('a' when absent),
 -- then now (the server's TIME when absent): the common call, an allow of one

@@ -1,4 +1,4 @@
-"""What an error from the Redis client means to a limiter (DESIGN §6), decided once.
+"""What an error from the Redis client means to a limiter (docs/design.md §6), decided once.
 
 :func:`classify` sorts every error a command can raise into four kinds:
 

@@ -1,4 +1,4 @@
-"""What a distributed limiter does when its store fails (DESIGN §6), apart from the store.
+"""What a distributed limiter does when its store fails (docs/design.md §6), apart from the store.
 
 Three small parts, shared by the sync and the asyncio Redis limiters, which know
 nothing of Redis here:
@@ -62,7 +62,7 @@ def _less(wait: float, elapsed: float) -> float:
     return max(0, round(wait * 1_000_000) - round(elapsed * 1_000_000)) / 1_000_000
 
 
-# The limiters' failure settings, checked as the core checks its own (DESIGN §3):
+# The limiters' failure settings, checked as the core checks its own (docs/design.md §3):
 # TypeError for the wrong type, ValueError for the wrong value.
 
 
