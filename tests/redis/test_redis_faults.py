@@ -31,8 +31,6 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
-from redis_servers import RedisClusterNodes, RedisServer, ServerFactory
-from tcp_proxy import TcpProxy
 
 import bucketlimit
 from bucketlimit import Decision
@@ -43,6 +41,8 @@ from bucketlimit.redis import (
     RedisTokenBucketLimiter,
     StoreUnavailableError,
 )
+from tests.support.redis_servers import RedisClusterNodes, RedisServer, ServerFactory
+from tests.support.tcp_proxy import TcpProxy
 
 MICROS = 1_000_000
 SPAWN = multiprocessing.get_context("spawn")

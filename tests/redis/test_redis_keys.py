@@ -18,11 +18,11 @@ import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis_servers import RedisClusterNodes
 
 import bucketlimit
 from bucketlimit import MAX_KEY_BYTES
 from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
+from tests.support.redis_servers import RedisClusterNodes
 
 ADVERSARIAL = [
     "a}{b",

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from redis_servers import free_port
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests.support.redis_servers import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORKERS = 4
 CAPACITY = 100
 REQUESTS = 2000
