@@ -151,6 +151,7 @@ def test_no_collisions_among_random_pairs() -> None:
     assert all(plain._key(k) not in keys or (k, k) in pairs for k in singles)
 
 
+@pytest.mark.timeout(60)  # 3.8 s idle: over a tenth of the default timeout
 def test_allow_over_every_slot(
     redis_cluster: RedisClusterNodes, redis_cluster_client: RedisCluster
 ) -> None:

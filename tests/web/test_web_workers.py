@@ -38,6 +38,9 @@ CAPACITY = 100
 REQUESTS = 2000
 CONCURRENCY = 100
 READY_DEADLINE = 90.0  # seconds for four workers to import FastAPI on a busy machine
+# Each test takes about 5 s idle, but may wait READY_DEADLINE for the workers,
+# then up to 30 s for uvicorn to stop: more than the suite's default timeout.
+pytestmark = pytest.mark.timeout(180)
 
 
 class Server:
