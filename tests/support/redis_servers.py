@@ -39,10 +39,11 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+# The helpers and the fixtures (redis_client, redis_cluster, ..., redis_url): a
+# conftest.py takes the fixtures with `from tests.support.redis_servers import *`.
 __all__ = [
     "RedisServer",
     "ServerFactory",
-    # the fixtures, for `from tests.support.redis_servers import *` in a conftest.py
     "redis_client",
     "redis_cluster",
     "redis_cluster_client",
