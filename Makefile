@@ -16,13 +16,19 @@ install: ## build the extension (release) and install the package with its dev t
 build: ## rebuild the extension in place after a Rust change
 	maturin develop --release --quiet
 
+.PHONY: format
+format: ## fix what the linters can: ruff check --fix, ruff format, cargo fmt
+	ruff check --fix .
+	ruff format .
+	cargo fmt
+
 .PHONY: lint
-lint: ## rustfmt, clippy, ruff, mypy --strict and stubtest
+lint: ## rustfmt, clippy, ruff, mypy --strict (package and tests) and stubtest
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	ruff check .
 	ruff format --check .
-	mypy --strict python/bucketlimit
+	mypy --strict python/bucketlimit tests
 	$(PY) -m mypy.stubtest bucketlimit._core --allowlist .mypy-stubtest-allowlist
 
 .PHONY: test

@@ -1,10 +1,12 @@
 """What a Redis outage and a flood from one key cost a RedisTokenBucketLimiter.
 
-    python benches/faults.py            # about 40 s; --quick for a shorter run
+    python -m benches.faults            # from the repository root; about 40 s
+    python -m benches.faults --quick    # a shorter run
 
 Not part of the test suite. It starts its own redis-server (loopback, a free
-port, no persistence) and the tests' TCP proxy (tests/tcp_proxy.py) in front of
-it, and prints two tables from one run:
+port, no persistence) and the tests' TCP proxy (tests/support/tcp_proxy.py) in
+front of it, and prints two tables from one run. It runs as a module from the
+root so that it can import those helpers as ``tests.support.*``.
 
 1. Latency of ``allow()`` during an outage. The proxy drops every reply (the
    server runs the commands; nobody hears back), as a hung server or a dead
@@ -33,16 +35,15 @@ import tempfile
 import time
 from pathlib import Path
 
+if not __package__:  # run as a script, the repository root is not on sys.path
+    sys.exit("run it from the repository root as a module: python -m benches.faults")
+
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the tests' server runner and proxy
-
-from redis_servers import RedisServer  # noqa: E402
-from tcp_proxy import TcpProxy  # noqa: E402
-
-import bucketlimit  # noqa: E402
-from bucketlimit.redis import RedisTokenBucketLimiter  # noqa: E402
+import bucketlimit
+from bucketlimit.redis import RedisTokenBucketLimiter
+from tests.support.redis_servers import RedisServer  # the tests' server runner
+from tests.support.tcp_proxy import TcpProxy  # and their proxy
 
 TIMEOUT = 0.05  # the client's socket timeout, seconds
 RETRY = 0.5  # the breaker's retry_interval, seconds

@@ -479,8 +479,7 @@ def main() -> None:
             [str(python), str(Path(__file__).resolve()), *sys.argv[1:]],
             {**os.environ, INSIDE: "1"},
         )
-    sys.path.insert(0, str(BENCHES))
-    import report
+    import report  # benches/report.py: run as a script, its directory is on sys.path
 
     settings = Settings(args.quick)
     sections = set(args.sections.split(","))

@@ -18,11 +18,11 @@ import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis_servers import RedisClusterNodes
 
 import bucketlimit
 from bucketlimit import MAX_KEY_BYTES
 from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
+from tests.support.redis_servers import RedisClusterNodes
 
 ADVERSARIAL = [
     "a}{b",
@@ -151,6 +151,7 @@ def test_no_collisions_among_random_pairs() -> None:
     assert all(plain._key(k) not in keys or (k, k) in pairs for k in singles)
 
 
+@pytest.mark.timeout(60)  # 3.8 s idle: over a tenth of the default timeout
 def test_allow_over_every_slot(
     redis_cluster: RedisClusterNodes, redis_cluster_client: RedisCluster
 ) -> None:

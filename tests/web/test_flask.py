@@ -441,7 +441,7 @@ def test_the_example_app(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "examples" / "flask_app.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "flask_app.py"
     monkeypatch.delenv("REDIS_URL", raising=False)
     monkeypatch.setenv("BUCKETLIMIT_CAPACITY", "3")
     monkeypatch.setenv("BUCKETLIMIT_RATE", "0")

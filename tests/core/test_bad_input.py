@@ -16,10 +16,10 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
-from reference import ReferenceLimiter, answer_of, to_micros
 
 from bucketlimit import MAX_KEY_BYTES, Decision, TokenBucketLimiter, allow_all
 from bucketlimit.testing import ManualClock
+from tests.support.reference import ReferenceLimiter, answer_of, to_micros
 
 
 class Index:

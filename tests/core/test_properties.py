@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
-from reference import ReferenceLimiter, answer_of, to_micros
-from reference import allow_all as model_allow_all
 
 from bucketlimit import TokenBucketLimiter, allow_all
+from tests.support.reference import ReferenceLimiter, answer_of, to_micros
+from tests.support.reference import allow_all as model_allow_all
 
 KEYS = ["a", "b", "c", "d\u00e9"]
 

@@ -24,7 +24,6 @@ from redis._parsers.base import BaseParser  # how redis-py turns an error reply 
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis_servers import free_port
 
 import bucketlimit
 from bucketlimit import Decision, TokenBucketLimiter
@@ -44,6 +43,7 @@ from bucketlimit.redis import (
     StoreUnavailableError,
 )
 from bucketlimit.testing import ManualClock
+from tests.support.redis_servers import free_port
 
 
 class Index:

@@ -31,8 +31,6 @@ from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.retry import Retry
-from redis_servers import RedisClusterNodes, RedisServer, ServerFactory
-from tcp_proxy import TcpProxy
 
 import bucketlimit
 from bucketlimit import Decision
@@ -43,6 +41,8 @@ from bucketlimit.redis import (
     RedisTokenBucketLimiter,
     StoreUnavailableError,
 )
+from tests.support.redis_servers import RedisClusterNodes, RedisServer, ServerFactory
+from tests.support.tcp_proxy import TcpProxy
 
 MICROS = 1_000_000
 SPAWN = multiprocessing.get_context("spawn")
@@ -160,6 +160,7 @@ TIMEOUT = 0.05
 RETRY = 1.0
 
 
+@pytest.mark.timeout(60)  # 3.5 s idle: over a tenth of the default timeout
 def test_a_hung_server_costs_one_attempt_per_retry_interval(
     redis_server_factory: ServerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -470,6 +471,7 @@ SLOW_FOR = 5.0  # shortened from 10 s: retry_interval 0.5 s keeps ~10 probes in 
 SLOW_RETRY = 0.5
 
 
+@pytest.mark.timeout(60)  # 6.1 s idle: over a tenth of the default timeout
 def test_a_slow_store_is_not_amplified_by_retries(redis_server_factory: ServerFactory) -> None:
     """The proxy delays every command by 100 ms; the client waits 50 ms. Every call
     would time out; with the breaker the store sees the calls already on their way

@@ -229,6 +229,7 @@ def test_parity_at_the_edges_of_the_exact_range(redis_client: redis.Redis, confi
         local.refund("k", 1)
 
 
+@pytest.mark.timeout(60)  # 3.6 s idle: over a tenth of the default timeout
 def test_tenth_of_a_second_steps_refill_exactly_one_token(redis_client: redis.Redis) -> None:
     """Rate 10, capacity 1, 0.1 s steps: one token per step, forever, no drift.
     The unmodified script: the manual clock outruns real time here."""

@@ -18,7 +18,6 @@ import redis
 import redis.asyncio
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis_servers import RedisServer, ServerFactory
 
 import bucketlimit
 from bucketlimit import Decision, TokenBucketLimiter
@@ -29,6 +28,7 @@ from bucketlimit.redis import (
 )
 from bucketlimit.redis import allow_all as redis_allow_all
 from bucketlimit.testing import ManualClock
+from tests.support.redis_servers import RedisServer, ServerFactory
 
 MICROS = 1_000_000
 

@@ -1,6 +1,11 @@
 """Real redis-server processes for the tests: started on free loopback ports, stopped after.
 
-Loaded by ``tests/conftest.py`` as a pytest plugin. Fixtures:
+A layer that needs Redis gets the fixtures with one line in its conftest.py
+(they are this module's ``__all__``; the root conftest imports no Redis client)::
+
+    from tests.support.redis_servers import *  # noqa: F403
+
+Fixtures:
 
 - ``redis_server``: one standalone server for the session; ``redis_url`` and
   ``redis_client`` give each test an empty database.
@@ -34,7 +39,19 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-__all__ = ["RedisServer", "ServerFactory", "redis_unavailable"]
+# The helpers and the fixtures (redis_client, redis_cluster, ..., redis_url): a
+# conftest.py takes the fixtures with `from tests.support.redis_servers import *`.
+__all__ = [
+    "RedisServer",
+    "ServerFactory",
+    "redis_client",
+    "redis_cluster",
+    "redis_cluster_client",
+    "redis_server",
+    "redis_server_factory",
+    "redis_unavailable",
+    "redis_url",
+]
 
 # Seconds a server (or a cluster) may take to answer before the tests give up.
 READY_TIMEOUT = 20.0

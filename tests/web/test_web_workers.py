@@ -29,14 +29,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from redis_servers import free_port
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests.support.redis_servers import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORKERS = 4
 CAPACITY = 100
 REQUESTS = 2000
 CONCURRENCY = 100
 READY_DEADLINE = 90.0  # seconds for four workers to import FastAPI on a busy machine
+# Each test takes about 5 s idle, but may wait READY_DEADLINE for the workers,
+# then up to 30 s for uvicorn to stop: more than the suite's default timeout.
+pytestmark = pytest.mark.timeout(180)
 
 
 class Server:

@@ -1,0 +1,1 @@
+"""Everything that needs a real redis-server (started by the tests themselves)."""

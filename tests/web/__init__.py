@@ -1,0 +1,1 @@
+"""The web integrations: HTTP helpers, Flask, FastAPI, uvicorn workers."""
