@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import flask
 from flask import Flask, Request, Response, current_app, g, jsonify
@@ -42,6 +42,11 @@ from bucketlimit._web.limits import (
     run,
 )
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    from bucketlimit._web.limits import LimitOptions
 
 __all__ = [
     "ConfigurationError",
@@ -129,6 +134,9 @@ class Limit(LimitSettings[Request]):
     """
 
     default_key = staticmethod(remote_address)
+
+    def __init__(self, limiter: SyncLimiter, **options: Unpack[LimitOptions[Request]]) -> None:
+        super().__init__(limiter, **options)
 
     def check_limiter(self, limiter: AnyLimiter) -> None:
         if is_async_limiter(limiter):

@@ -49,7 +49,7 @@
 -- request.
 
 -- Raised by tests that pair a Redis limiter with a ManualClock standing still
--- while real time runs (see tests/test_redis_parity.py); never 0.
+-- while real time runs (see tests/redis/test_redis_parity.py); never 0.
 local MIN_TTL_MS = 1
 local EXACT = 9007199254740992 -- 2^53
 local floor, ceil, min, max = math.floor, math.ceil, math.min, math.max

@@ -10,7 +10,7 @@ import math
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, cast
 
 from bucketlimit import _errors
 from bucketlimit._core import Decision
@@ -43,6 +43,18 @@ Procedure = Generator[Step, Any, T]
 
 KeyFunc = Callable[[R], Any]
 CostSpec = int | Callable[[R], Any]
+
+
+if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
+
+    class LimitOptions(TypedDict, Generic[R], total=False):
+        """A limit's keyword arguments, for an adapter that narrows the limiter's type."""
+
+        key: KeyFunc[R] | None
+        cost: CostSpec[R]
+        name: str
+        shadow: bool
+        exempt: Callable[[R], Any] | None
 
 
 def _check_name(name: str) -> str:
