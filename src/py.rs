@@ -191,15 +191,16 @@ pub struct Decision {
     degraded: bool,
 }
 
-impl From<bucket::Decision> for Decision {
-    fn from(d: bucket::Decision) -> Decision {
+impl Decision {
+    #[inline]
+    fn of(d: bucket::Decision, degraded: bool) -> Decision {
         Decision {
             allowed: d.allowed,
             retry_after: seconds(d.retry_after),
             remaining: d.remaining,
             reset_after: seconds(d.reset_after),
             limit: d.limit,
-            degraded: false,
+            degraded,
         }
     }
 }
@@ -291,6 +292,8 @@ pub struct TokenBucketLimiter {
     clock: Option<Py<PyAny>>,
     per: f64,
     max_keys: Option<usize>,
+    /// Every answer is marked degraded: a distributed limiter's local fallback.
+    degraded: bool,
 }
 
 impl TokenBucketLimiter {
@@ -353,6 +356,26 @@ impl TokenBucketLimiter {
             clock: clock.map(Bound::unbind),
             per: per_seconds,
             max_keys,
+            degraded: false,
+        })
+    }
+
+    /// A limiter whose every answer says `degraded=True`: the local fallback of a
+    /// distributed limiter (`bucketlimit._redis`), so that a degraded answer is
+    /// one native call (a flag read here, not a second copy of `allow`).
+    #[staticmethod]
+    #[pyo3(name = "_fallback", signature = (capacity, rate, clock = None, *, per = Per(Number::Int(1))))]
+    #[pyo3(text_signature = "(capacity, rate, clock=None, *, per=1)")]
+    fn fallback(
+        capacity: &Bound<'_, PyAny>,
+        rate: &Bound<'_, PyAny>,
+        clock: Option<Bound<'_, PyAny>>,
+        per: Per,
+    ) -> PyResult<TokenBucketLimiter> {
+        let limiter = TokenBucketLimiter::new(capacity, rate, clock, per, None)?;
+        Ok(TokenBucketLimiter {
+            degraded: true,
+            ..limiter
         })
     }
 
@@ -360,40 +383,16 @@ impl TokenBucketLimiter {
     #[pyo3(signature = (key, cost = Cost(1)), text_signature = "($self, key, cost=1)")]
     fn allow(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<Decision> {
         let now = self.now(py)?;
-        Ok(self.registry.allow(key.as_str()?, cost.0, now)?.into())
+        let decision = self.registry.allow(key.as_str()?, cost.0, now)?;
+        Ok(Decision::of(decision, self.degraded))
     }
 
     /// What `allow` would answer now; changes nothing.
     #[pyo3(signature = (key, cost = Cost(1)), text_signature = "($self, key, cost=1)")]
     fn peek(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<Decision> {
         let now = self.now(py)?;
-        Ok(self.registry.peek(key.as_str()?, cost.0, now)?.into())
-    }
-
-    /// The local fallback of a distributed limiter (`bucketlimit._redis`): what
-    /// `allow` (or, with `spend=False`, `peek`) answers for `cost` charged at most
-    /// this limiter's capacity (the process's share), marked degraded. One call,
-    /// so a degraded answer goes from Python to Rust and back once.
-    #[pyo3(name = "_fallback")]
-    fn fallback(
-        &self,
-        py: Python<'_>,
-        key: Key<'_, '_>,
-        cost: Cost,
-        spend: bool,
-    ) -> PyResult<Decision> {
-        let now = self.now(py)?;
-        let cost = cost.0.min(i128::from(self.config().capacity));
-        let key = key.as_str()?;
-        let decision = if spend {
-            self.registry.allow(key, cost, now)?
-        } else {
-            self.registry.peek(key, cost, now)?
-        };
-        Ok(Decision {
-            degraded: true,
-            ..decision.into()
-        })
+        let decision = self.registry.peek(key.as_str()?, cost.0, now)?;
+        Ok(Decision::of(decision, self.degraded))
     }
 
     /// Gives back tokens reserved but not used; never above capacity.
@@ -498,8 +497,10 @@ pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyRes
         .map(|(_, key)| Key::extract(key.as_borrowed()))
         .collect::<PyResult<Vec<_>>>()?;
     let mut resolved = Vec::with_capacity(pairs.len());
+    let mut degraded = false;
     for ((limiter, _), key) in pairs.iter().zip(&keys) {
         let limiter = limiter.get();
+        degraded |= limiter.degraded;
         resolved.push((limiter, key.as_str()?, limiter.now(py)?));
     }
     let checks: Vec<Check<'_>> = resolved
@@ -510,7 +511,10 @@ pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyRes
             now,
         })
         .collect();
-    Ok(registry::allow_all(&checks, cost.0)?.into())
+    Ok(Decision::of(
+        registry::allow_all(&checks, cost.0)?,
+        degraded,
+    ))
 }
 
 /// The exact integer configuration the Redis script uses:

@@ -75,13 +75,20 @@ class TokenBucketLimiter:
         per: float | SupportsIndex = 1,
         max_keys: SupportsIndex | None = None,
     ) -> TokenBucketLimiter: ...
+    @staticmethod
+    def _fallback(
+        capacity: SupportsIndex,
+        rate: float | SupportsIndex,
+        clock: Callable[[], float] | None = None,
+        *,
+        per: float | SupportsIndex = 1,
+    ) -> TokenBucketLimiter:
+        """A limiter whose every answer says ``degraded=True``: a distributed limiter's
+        local fallback (``bucketlimit._redis``)."""
     def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
     def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """What ``allow`` would answer now; changes no state at all."""
-    def _fallback(self, key: str, cost: SupportsIndex, spend: bool) -> Decision:
-        """A distributed limiter's local fallback: ``allow`` (``spend``) or ``peek`` of
-        ``cost`` charged at most the capacity, marked degraded."""
     def refund(self, key: str, cost: SupportsIndex) -> None:
         """Gives back ``cost`` tokens reserved but not used; never above capacity."""
     def reset(self, key: str) -> None:

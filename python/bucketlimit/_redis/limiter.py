@@ -64,7 +64,6 @@ from bucketlimit._redis.resilience import (
     check_policy,
     check_processes,
     check_retry_interval,
-    degraded,
 )
 from bucketlimit._redis.script import (
     BUCKET_SCRIPT,
@@ -632,4 +631,4 @@ def _fallback_all(checks: Sequence[tuple[RedisLimiter[Any], str]], cost: int) ->
     if not local:
         return checks[0][0]._fallback.decide("", cost, peek=False)  # all "open"
     shares = [limiter._fallback.share for limiter, _ in checks if limiter._policy == LOCAL]
-    return degraded(_core.allow_all(local, min(cost, *shares)))
+    return _core.allow_all(local, min(cost, *shares))  # local limiters answer degraded

@@ -330,7 +330,7 @@ class Fallback:
             # a second; p per q*processes seconds is exactly the share of the rate.
             per = unit // 1_000_000 * processes
             try:
-                self.local = TokenBucketLimiter(self.share, p, clock, per=per)
+                self.local = TokenBucketLimiter._fallback(self.share, p, clock, per=per)
             except ValueError as e:
                 raise ValueError(
                     f"processes={processes}: the local fallback's share of the rate "
@@ -354,7 +354,8 @@ class Fallback:
     def decide(self, key: str, cost: int, *, peek: bool) -> Decision:
         if self.local is None:
             return self._open if self.policy == OPEN else self._closed
-        return self.local._fallback(key, cost, not peek)  # charged at most the share
+        charged = min(cost, self.share)
+        return self.local.peek(key, charged) if peek else self.local.allow(key, charged)
 
     def refund(self, key: str, cost: int) -> None:
         if self.local is not None:
@@ -363,9 +364,3 @@ class Fallback:
     def reset(self, key: str) -> None:
         if self.local is not None:
             self.local.reset(key)
-
-
-def degraded(decision: Decision) -> Decision:
-    """``decision`` marked as taken without the store."""
-    d = decision
-    return Decision(d.allowed, d.retry_after, d.remaining, d.reset_after, d.limit, True)
