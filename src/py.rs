@@ -7,7 +7,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyString, PyTuple};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple};
 use pyo3::PyTraverseError;
 
 use crate::bucket::{self, Wait};
@@ -174,6 +174,54 @@ fn seconds(wait: Wait) -> f64 {
     })
 }
 
+// The fields of a `Decision` built from Python, checked like every other input
+// (docs/design.md §3): `TypeError` for the wrong type, `ValueError` for the wrong
+// value, never PyO3's `OverflowError`.
+
+fn flag(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    obj.cast::<PyBool>()
+        .map(PyBoolMethods::is_true)
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be a bool, got {}", type_name(obj))))
+}
+
+/// Seconds of a wait: an int or float, >= 0 (`inf`: never), not NaN.
+fn wait_seconds(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
+    if let Ok(float) = obj.cast_exact::<PyFloat>() {
+        let seconds = float.value();
+        if seconds >= 0.0 {
+            return Ok(seconds); // the common case, in a few instructions
+        }
+    }
+    let seconds = match number(obj, name)? {
+        Number::Float(x) => x,
+        Number::Int(i) => i as f64,
+    };
+    if seconds >= 0.0 {
+        Ok(seconds)
+    } else {
+        Err(PyValueError::new_err(format!(
+            "{name} must be >= 0 seconds (inf: never), got {}",
+            repr(obj)
+        )))
+    }
+}
+
+/// A count of tokens: an int from 0 to 2**64 - 1.
+fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        if let Ok(n) = obj.extract::<u64>() {
+            return Ok(n); // the common case
+        }
+    }
+    let n = integer(obj, name)?;
+    u64::try_from(n).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must be an int from 0 to 2**64 - 1, got {}",
+            repr(obj)
+        ))
+    })
+}
+
 /// The answer to one request: immutable, truthy when allowed.
 #[pyclass(frozen, freelist = 64, module = "bucketlimit._core")]
 pub struct Decision {
@@ -221,23 +269,26 @@ impl Decision {
 #[pymethods]
 impl Decision {
     #[new]
-    #[pyo3(signature = (allowed, retry_after, remaining, reset_after, limit, degraded = false))]
+    #[pyo3(signature = (allowed, retry_after, remaining, reset_after, limit, degraded = None))]
+    #[pyo3(
+        text_signature = "(allowed, retry_after, remaining, reset_after, limit, degraded=False)"
+    )]
     fn new(
-        allowed: bool,
-        retry_after: f64,
-        remaining: u64,
-        reset_after: f64,
-        limit: u64,
-        degraded: bool,
-    ) -> Decision {
-        Decision {
-            allowed,
-            retry_after,
-            remaining,
-            reset_after,
-            limit,
-            degraded,
-        }
+        allowed: &Bound<'_, PyAny>,
+        retry_after: &Bound<'_, PyAny>,
+        remaining: &Bound<'_, PyAny>,
+        reset_after: &Bound<'_, PyAny>,
+        limit: &Bound<'_, PyAny>,
+        degraded: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Decision> {
+        Ok(Decision {
+            allowed: flag(allowed, "allowed")?,
+            retry_after: wait_seconds(retry_after, "retry_after")?,
+            remaining: count(remaining, "remaining")?,
+            reset_after: wait_seconds(reset_after, "reset_after")?,
+            limit: count(limit, "limit")?,
+            degraded: degraded.map_or(Ok(false), |d| flag(d, "degraded"))?,
+        })
     }
 
     fn __bool__(&self) -> bool {

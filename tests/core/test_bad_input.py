@@ -477,3 +477,54 @@ def test_backwards_clock_gives_no_refill() -> None:
     later = limiter.allow("k")
     assert (later.allowed, later.retry_after, later.remaining) == (False, 0.5, 0)
     assert limiter.peek("k", 1).retry_after == 0.5
+
+
+# -- Decision built by hand -------------------------------------------------------
+#
+# Regression (issue 10, item 7): Decision(True, 0.0, -1, 0.0, 10) raised PyO3's
+# OverflowError; every field is now checked like any other input.
+
+GOOD_DECISION = (True, 0.0, 3, 1.5, 10, False)
+
+
+@pytest.mark.parametrize(
+    ("position", "value", "exc", "fragment"),
+    [
+        (0, 1, TypeError, "allowed must be a bool"),
+        (0, None, TypeError, "allowed must be a bool"),
+        (1, -1.0, ValueError, "retry_after must be >= 0"),
+        (1, math.nan, ValueError, "retry_after must be >= 0"),
+        (1, "1", TypeError, "retry_after must be an int or float"),
+        (1, True, TypeError, "retry_after must be an int or float"),
+        (1, 10**400, ValueError, "retry_after"),
+        (2, -1, ValueError, "remaining must be an int from 0 to 2**64 - 1"),
+        (2, 2**64, ValueError, "remaining must be an int from 0 to 2**64 - 1"),
+        (2, 1.0, TypeError, "remaining must be an int"),
+        (2, False, TypeError, "remaining must be an int"),
+        (3, -0.5, ValueError, "reset_after must be >= 0"),
+        (4, -1, ValueError, "limit must be an int from 0 to 2**64 - 1"),
+        (4, 2**70, ValueError, "limit must be an int from 0 to 2**64 - 1"),
+        (5, 0, TypeError, "degraded must be a bool"),
+    ],
+)
+def test_bad_decision_fields_are_type_or_value_errors(
+    position: int, value: Any, exc: type[Exception], fragment: str
+) -> None:
+    args = list(GOOD_DECISION)
+    args[position] = value
+    with pytest.raises(exc) as raised:
+        Decision(*args)
+    assert type(raised.value) is exc  # exactly: never PyO3's OverflowError
+    assert fragment in str(raised.value)
+
+
+def test_decision_fields_at_their_edges_are_accepted() -> None:
+    d = Decision(False, math.inf, 2**64 - 1, math.inf, 2**64 - 1)
+    assert (d.retry_after, d.remaining, d.reset_after, d.limit) == (
+        math.inf,
+        2**64 - 1,
+        math.inf,
+        2**64 - 1,
+    )
+    assert Decision(True, 0, Index(4), 2, 5) == Decision(True, 0.0, 4, 2.0, 5)
+    assert Decision(*GOOD_DECISION) == Decision(True, 0.0, 3, 1.5, 10)
