@@ -47,11 +47,13 @@ class Decision:
         cls,
         allowed: bool,
         retry_after: float,
-        remaining: int,
+        remaining: SupportsIndex,
         reset_after: float,
-        limit: int,
+        limit: SupportsIndex,
         degraded: bool = False,
-    ) -> Decision: ...
+    ) -> Decision:
+        """Every field is checked: ``TypeError`` for the wrong type, ``ValueError`` for a
+        negative or NaN wait, or a count outside 0 .. 2**64 - 1."""
     def __bool__(self) -> bool: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...

@@ -510,7 +510,7 @@ GOOD_DECISION = (True, 0.0, 3, 1.5, 10, False)
 def test_bad_decision_fields_are_type_or_value_errors(
     position: int, value: Any, exc: type[Exception], fragment: str
 ) -> None:
-    args = list(GOOD_DECISION)
+    args: list[Any] = list(GOOD_DECISION)
     args[position] = value
     with pytest.raises(exc) as raised:
         Decision(*args)
