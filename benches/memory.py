@@ -5,6 +5,17 @@
     in-memory store, divided by N (the key is included: the limiter keeps
     it). Prints one JSON object.
 
+``python benches/memory.py growth N``
+    bucketlimit with its built-in clock: N new keys, each call timed, the
+    slowest ones reported with their place in the fill (the table's growth).
+    Prints one JSON object.
+
+``python benches/memory.py flood SECONDS KEYS_PER_SECOND``
+    bucketlimit on a ManualClock, capacity 1 and rate 1: KEYS_PER_SECOND new
+    keys every simulated second for SECONDS; a key is full again one second
+    after its call, so about KEYS_PER_SECOND buckets are in use at any time.
+    Prints the buckets held and evicted after each second.
+
 ``python benches/memory.py eviction N CALLS``
     bucketlimit on a ManualClock: touch N keys, step past the time they are
     all full again, then time each of the next CALLS calls (on 100 hot keys)
@@ -180,10 +191,74 @@ def eviction(n: int, calls: int) -> dict[str, Any]:
     }
 
 
+def growth(n: int) -> dict[str, Any]:
+    from bucketlimit import TokenBucketLimiter
+
+    limiter = TokenBucketLimiter(10, 1, per=3600)  # no bucket is full again during the run
+    keys = [key(i) for i in range(n)]
+    on_cpu_samples = array("q")
+    wall, cpu = time.perf_counter_ns, time.thread_time_ns
+    allow = limiter.allow
+    slowest: list[tuple[int, int]] = []
+    dropped = 0
+    gc.disable()
+    try:
+        for i, k in enumerate(keys):
+            c0 = cpu()
+            t0 = wall()
+            allow(k)
+            t1 = wall()
+            c1 = cpu()
+            if (t1 - t0) - (c1 - c0) > DESCHEDULED_NS:
+                dropped += 1
+                continue
+            on_cpu_samples.append(t1 - t0)
+            if t1 - t0 > 20_000:
+                slowest.append((t1 - t0, i))
+    finally:
+        gc.enable()
+    slowest.sort(reverse=True)
+    return {
+        "keys": n,
+        "held": len(limiter),
+        "calls_on_cpu": {**percentiles(on_cpu_samples), "descheduled_calls": dropped},
+        "slowest_calls_ns_at_key": slowest[:8],
+    }
+
+
+def flood(seconds: int, per_second: int) -> dict[str, Any]:
+    from bucketlimit import TokenBucketLimiter
+    from bucketlimit.testing import ManualClock
+
+    clock = ManualClock()
+    limiter = TokenBucketLimiter(1, 1, clock=clock)
+    step = 1 / per_second
+    allow = limiter.allow
+    held_each_second = []
+    i = 0
+    for _ in range(seconds):
+        for _ in range(per_second):
+            allow(key(i))
+            i += 1
+            clock.advance(step)
+        stats = limiter.stats()
+        held_each_second.append((stats["keys"], stats["evicted"]))
+    return {
+        "seconds": seconds,
+        "keys_per_second": per_second,
+        "in_use_at_any_time": per_second,
+        "held_and_evicted_after_each_second": held_each_second,
+    }
+
+
 def main() -> None:
     command = sys.argv[1]
     if command == "bytes-per-key":
         result = bytes_per_key(sys.argv[2], int(sys.argv[3]))
+    elif command == "growth":
+        result = growth(int(sys.argv[2]))
+    elif command == "flood":
+        result = flood(int(sys.argv[2]), int(sys.argv[3]))
     elif command == "eviction":
         result = eviction(int(sys.argv[2]), int(sys.argv[3]))
     else:

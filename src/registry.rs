@@ -1,10 +1,13 @@
 //! Key -> bucket table behind one lock: lookup, incremental eviction,
 //! `max_keys`, stats, and `allow_all` across several tables. No Python.
 //!
-//! Layout: buckets live in a dense `Vec<Entry>`; a `HashTable<u32>` maps a
-//! key's hash to its position. The dense vector makes eviction incremental
-//! (a cursor walks it a few entries per call) and keeps an entry at 48 bytes
-//! with short keys stored inline.
+//! Layout: buckets live in a dense `Vec<Entry>`; an [`Index`] maps a key's hash
+//! to its position. The dense vector makes eviction incremental (a cursor walks
+//! it a few entries per call) and keeps an entry at 48 bytes with short keys
+//! stored inline. The index is split in [`SHARDS`] tables that grow on their
+//! own, so no call rehashes every key (docs/design.md §5: no call is slow; the
+//! vector's own growth is a `realloc`, which moves pages rather than copying
+//! them once it is large).
 
 use std::hash::BuildHasher;
 
@@ -22,12 +25,90 @@ const SWEEP_PER_CALL: usize = 2;
 /// Entries examined at most by one call once it has found one to evict: idle
 /// buckets tend to come in runs, and a million of them go in 125,000 calls.
 const SWEEP_WHILE_EVICTING: usize = 8;
+/// Entries examined at most by a call that added a bucket, until it has found
+/// one to evict: insertions and evictions then keep pace, so the buckets held
+/// follow the ones in use even under a flood of new keys.
+const SWEEP_ON_INSERT: usize = 16;
 /// Entries examined for a full (evictable) bucket when `max_keys` is reached.
 const ROOM_SEARCH: usize = 64;
+
+/// The index is split in this many tables, by the top bits of a key's hash.
+const SHARD_BITS: u32 = 8;
+const SHARDS: usize = 1 << SHARD_BITS;
 
 struct Entry {
     key: CompactString,
     bucket: Bucket,
+}
+
+/// An entry's place in the index: its position, and the low 32 bits of its key's
+/// hash, from which a shard rehashes it when it grows without reading the key.
+#[derive(Clone, Copy)]
+struct Place {
+    position: u32,
+    tag: u32,
+}
+
+/// Key hash -> position, in [`SHARDS`] tables chosen by the hash's top bits: a
+/// table grows by rehashing only its own share of the keys, from the tags it
+/// holds, so the call that makes it grow stays short.
+struct Index {
+    shards: Vec<HashTable<Place>>,
+}
+
+impl Index {
+    fn new() -> Index {
+        Index {
+            shards: (0..SHARDS).map(|_| HashTable::new()).collect(),
+        }
+    }
+
+    /// The shard of a hash, and the hash its tag is known by there.
+    #[inline]
+    fn locate(hash: u64) -> (usize, u32, u64) {
+        let tag = hash as u32;
+        (
+            (hash >> (64 - SHARD_BITS)) as usize,
+            tag,
+            Index::inner_hash(tag),
+        )
+    }
+
+    /// A tag spread over 64 bits (hashbrown reads the top bits as well as the low).
+    #[inline]
+    fn inner_hash(tag: u32) -> u64 {
+        u64::from(tag).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    }
+
+    fn find(&self, hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
+        let (shard, tag, inner) = Index::locate(hash);
+        self.shards[shard]
+            .find(inner, |s| s.tag == tag && is_key(s.position as usize))
+            .map(|s| s.position as usize)
+    }
+
+    fn insert(&mut self, hash: u64, position: u32) {
+        let (shard, tag, inner) = Index::locate(hash);
+        self.shards[shard]
+            .insert_unique(inner, Place { position, tag }, |s| Index::inner_hash(s.tag));
+    }
+
+    fn remove(&mut self, hash: u64, position: usize) {
+        let (shard, _, inner) = Index::locate(hash);
+        let Ok(found) = self.shards[shard].find_entry(inner, |s| s.position as usize == position)
+        else {
+            unreachable!("every entry is indexed");
+        };
+        found.remove();
+    }
+
+    fn moved(&mut self, hash: u64, from: usize, to: usize) {
+        let (shard, _, inner) = Index::locate(hash);
+        let slot = self.shards[shard]
+            .find_mut(inner, |s| s.position as usize == from)
+            .expect("every entry is indexed");
+        slot.position = to as u32;
+    }
 }
 
 /// Counters reported by `stats()`.
@@ -41,7 +122,7 @@ pub struct Stats {
 }
 
 struct Table {
-    index: HashTable<u32>,
+    index: Index,
     entries: Vec<Entry>,
     /// Next entry the sweeper looks at.
     cursor: usize,
@@ -52,6 +133,8 @@ struct Table {
     /// Set while new keys are being refused, so the warning is logged once
     /// per episode and not per call.
     refusing_new: bool,
+    /// Set when a bucket was added since the last sweep, which then looks further.
+    inserted: bool,
 }
 
 /// Where a key's bucket is, or what happens if it is new.
@@ -65,12 +148,13 @@ enum Slot {
 impl Table {
     fn new() -> Table {
         Table {
-            index: HashTable::new(),
+            index: Index::new(),
             entries: Vec::new(),
             cursor: 0,
             latest: i64::MIN,
             stats: Stats::default(),
             refusing_new: false,
+            inserted: false,
         }
     }
 
@@ -83,38 +167,28 @@ impl Table {
     fn find(&self, hash: u64, key: &str) -> Option<usize> {
         let entries = &self.entries;
         self.index
-            .find(hash, |&i| entries[i as usize].key == key)
-            .map(|&i| i as usize)
+            .find(hash, |position| entries[position].key == key)
     }
 
-    fn insert(&mut self, hasher: &DefaultHashBuilder, hash: u64, key: &str, bucket: Bucket) {
+    fn insert(&mut self, hash: u64, key: &str, bucket: Bucket) {
         let position = u32::try_from(self.entries.len()).expect("at most u32::MAX keys are held");
         self.entries.push(Entry {
             key: CompactString::new(key),
             bucket,
         });
-        let entries = &self.entries;
-        self.index.insert_unique(hash, position, |&i| {
-            hasher.hash_one(entries[i as usize].key.as_str())
-        });
+        self.index.insert(hash, position);
+        self.inserted = true;
     }
 
     /// Removes the entry at `position`; the last entry takes its place.
     fn remove_at(&mut self, hasher: &DefaultHashBuilder, position: usize) {
         let hash = hasher.hash_one(self.entries[position].key.as_str());
-        let Ok(found) = self.index.find_entry(hash, |&i| i as usize == position) else {
-            unreachable!("every entry is indexed");
-        };
-        found.remove();
+        self.index.remove(hash, position);
         let last = self.entries.len() - 1;
         self.entries.swap_remove(position);
         if position != last {
             let moved = hasher.hash_one(self.entries[position].key.as_str());
-            let slot = self
-                .index
-                .find_mut(moved, |&i| i as usize == last)
-                .expect("every entry is indexed");
-            *slot = position as u32;
+            self.index.moved(moved, last, position);
         }
     }
 
@@ -126,10 +200,16 @@ impl Table {
             .is_full(config)
     }
 
-    /// Looks at [`SWEEP_PER_CALL`] entries from the cursor, or up to
-    /// [`SWEEP_WHILE_EVICTING`] once one is full, and drops the full ones.
+    /// Looks at [`SWEEP_PER_CALL`] entries from the cursor (up to
+    /// [`SWEEP_ON_INSERT`] when this call added a bucket, until one is dropped),
+    /// or up to [`SWEEP_WHILE_EVICTING`] once one is full, and drops the full ones.
     fn sweep(&mut self, config: &Config, hasher: &DefaultHashBuilder) {
-        let mut budget = SWEEP_PER_CALL;
+        let inserted = std::mem::take(&mut self.inserted);
+        let mut budget = if inserted {
+            SWEEP_ON_INSERT
+        } else {
+            SWEEP_PER_CALL
+        };
         let mut examined = 0;
         while examined < budget.min(self.entries.len()) {
             if self.cursor >= self.entries.len() {
@@ -138,7 +218,7 @@ impl Table {
             if self.is_full_at(config, self.cursor) {
                 self.remove_at(hasher, self.cursor);
                 self.stats.evicted += 1;
-                budget = SWEEP_WHILE_EVICTING;
+                budget = SWEEP_WHILE_EVICTING.max(examined + 1);
             } else {
                 self.cursor += 1;
             }
@@ -289,7 +369,7 @@ impl Registry {
             }
             Slot::New => {
                 let (decision, after) = Bucket::full(config, now).decide(config, cost);
-                table.insert(&self.hasher, hash, key, after);
+                table.insert(hash, key, after);
                 table.refusing_new = false;
                 decision
             }
@@ -364,7 +444,7 @@ impl Registry {
     /// Forgets every bucket and releases the table's memory.
     pub fn clear(&self) {
         let mut table = self.table.lock();
-        table.index = HashTable::new();
+        table.index = Index::new();
         table.entries = Vec::new();
         table.cursor = 0;
     }
@@ -496,7 +576,7 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
             table.entries[position].bucket = after;
         } else {
             let (_, after) = Bucket::full(config, now).decide(config, cost);
-            table.insert(&registry.hasher, hash, check.key, after);
+            table.insert(hash, check.key, after);
             table.refusing_new = false;
         }
     }
@@ -566,6 +646,43 @@ mod tests {
         // Only the bucket still being spent is held.
         assert_eq!(r.len(), 1);
         assert_eq!(r.stats().evicted, 1000);
+    }
+
+    #[test]
+    fn the_index_finds_every_key_through_growth_and_eviction() {
+        let r = registry(1, 0.0, None);
+        for i in 0..50_000 {
+            assert!(r.allow(&format!("k{i}"), 1, 0).unwrap().allowed);
+        }
+        for i in (0..50_000).step_by(3) {
+            r.reset(&format!("k{i}")).unwrap(); // removed: the last entry moves in
+        }
+        for i in 0..50_000 {
+            let spent = i % 3 != 0;
+            assert_eq!(
+                r.peek(&format!("k{i}"), 1, 0).unwrap().allowed,
+                !spent,
+                "k{i}"
+            );
+        }
+        assert_eq!(r.len(), 50_000 - 50_000_usize.div_ceil(3));
+    }
+
+    #[test]
+    fn the_sweep_keeps_pace_with_a_flood_of_new_keys() {
+        // Regression (issue 10): 1,000,000 new keys a simulated second, each full
+        // again a second later, left 1.94 M held. Here 20,000 a second for 5 s: at
+        // any time about 20,000 are in use, and no more than a few percent beyond
+        // that may be held.
+        let r = registry(1, 1.0, None);
+        let per_second: usize = 20_000;
+        let mut most = 0;
+        for i in 0..5 * per_second {
+            let now = (i * 1_000_000 / per_second) as i64;
+            assert!(r.allow(&format!("k{i}"), 1, now).unwrap().allowed);
+            most = most.max(r.len());
+        }
+        assert!(most <= per_second * 11 / 10, "held {most} buckets");
     }
 
     #[test]
