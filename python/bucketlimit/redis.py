@@ -21,7 +21,7 @@ blocking calls and :class:`AsyncRedisTokenBucketLimiter` awaits.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, SupportsIndex, TypeVar, cast
+from typing import Any, SupportsIndex
 
 import redis
 import redis.asyncio
@@ -36,13 +36,8 @@ from bucketlimit._redis.errors import (
     CorruptBucketError,
     StoreUnavailableError,
 )
-from bucketlimit._redis.limiter import (
-    DEFAULT_TIMEOUT,
-    Flow,
-    RedisLimiter,
-    allow_all_flow,
-    resume,
-)
+from bucketlimit._redis.limiter import DEFAULT_TIMEOUT, PENDING, Call, RedisLimiter, allow_all_call
+from bucketlimit._redis.script import ALLOW, PEEK, REFUND
 from bucketlimit._redis.script import Script as _Script
 
 __all__ = [
@@ -59,8 +54,6 @@ __all__ = [
 
 SyncClient = redis.Redis | RedisCluster
 AsyncClient = redis.asyncio.Redis | AsyncRedisCluster
-
-T = TypeVar("T")
 
 
 class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
@@ -86,34 +79,35 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
     _retry = Retry
     _other = "AsyncRedisTokenBucketLimiter for asyncio clients"
 
-    def _drive(self, flow: Flow[T]) -> T:
-        """Runs an operation: sends each command it yields and hands it the outcome."""
-        try:
-            name, args = next(flow)
-            while True:
-                try:
-                    reply, error = getattr(self._client, name)(*args), None
-                except BaseException as e:  # the flow decides what a failure means
-                    reply, error = None, e
-                name, args = resume(flow, reply, error)
-        except StopIteration as done:
-            return cast("T", done.value)
+    def _drive(self, call: Call) -> Any:
+        """Runs a call: sends each command it waits on and hands it the outcome."""
+        answer = self._start(call)
+        while answer is PENDING:
+            try:
+                reply = getattr(self._client, call.name)(*call.argv)
+            except BaseException as error:  # the call decides what a failure means
+                answer = self._error(call, error)
+            else:
+                answer = self._reply(call, reply)
+        return answer
 
     def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
-        return self._drive(self._allow(key, cost))
+        answer: Decision = self._drive(self._call(ALLOW, key, cost))
+        return answer
 
     def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """What ``allow`` would answer now; writes nothing."""
-        return self._drive(self._peek(key, cost))
+        answer: Decision = self._drive(self._call(PEEK, key, cost))
+        return answer
 
     def refund(self, key: str, cost: SupportsIndex) -> None:
         """Gives back ``cost`` tokens reserved but not used; never above capacity."""
-        self._drive(self._refund(key, cost))
+        self._drive(self._call(REFUND, key, cost))
 
     def reset(self, key: str) -> None:
         """Makes the key's bucket full again (deletes it)."""
-        self._drive(self._reset(key))
+        self._drive(self._reset_call(key))
 
     def check(self) -> None:
         """Asks the store now: connects, authenticates, runs the script (a peek at a
@@ -123,7 +117,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         client's error when the store cannot be reached: ``on_store_error`` does not
         apply. Call it at start-up to fail early; the limiter never calls it.
         """
-        self._drive(self._check())
+        self._drive(self._check_call())
 
 
 class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
@@ -135,38 +129,39 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
     _retry = AsyncRetry
     _other = "RedisTokenBucketLimiter for blocking clients"
 
-    async def _drive(self, flow: Flow[T]) -> T:
-        """Runs an operation: awaits each command it yields and hands it the outcome."""
-        try:
-            name, args = next(flow)
-            while True:
-                try:
-                    reply, error = await getattr(self._client, name)(*args), None
-                except BaseException as e:  # CancelledError too: the flow counts it
-                    reply, error = None, e
-                name, args = resume(flow, reply, error)
-        except StopIteration as done:
-            return cast("T", done.value)
+    async def _drive(self, call: Call) -> Any:
+        """Runs a call: awaits each command it waits on and hands it the outcome."""
+        answer = self._start(call)
+        while answer is PENDING:
+            try:
+                reply = await getattr(self._client, call.name)(*call.argv)
+            except BaseException as error:  # CancelledError too: the call counts it
+                answer = self._error(call, error)
+            else:
+                answer = self._reply(call, reply)
+        return answer
 
     async def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """:meth:`RedisTokenBucketLimiter.allow`, awaited."""
-        return await self._drive(self._allow(key, cost))
+        answer: Decision = await self._drive(self._call(ALLOW, key, cost))
+        return answer
 
     async def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """:meth:`RedisTokenBucketLimiter.peek`, awaited."""
-        return await self._drive(self._peek(key, cost))
+        answer: Decision = await self._drive(self._call(PEEK, key, cost))
+        return answer
 
     async def refund(self, key: str, cost: SupportsIndex) -> None:
         """:meth:`RedisTokenBucketLimiter.refund`, awaited."""
-        await self._drive(self._refund(key, cost))
+        await self._drive(self._call(REFUND, key, cost))
 
     async def reset(self, key: str) -> None:
         """:meth:`RedisTokenBucketLimiter.reset`, awaited."""
-        await self._drive(self._reset(key))
+        await self._drive(self._reset_call(key))
 
     async def check(self) -> None:
         """:meth:`RedisTokenBucketLimiter.check`, awaited."""
-        await self._drive(self._check())
+        await self._drive(self._check_call())
 
 
 def allow_all(
@@ -174,20 +169,22 @@ def allow_all(
 ) -> Decision:
     """``bucketlimit.allow_all`` for Redis limiters sharing one client: one script
     that checks every bucket before it spends from any."""
-    limiter, flow = allow_all_flow(checks, cost)
+    limiter, call = allow_all_call(checks, cost)
     if not isinstance(limiter, RedisTokenBucketLimiter):
         raise TypeError("allow_all takes RedisTokenBucketLimiter instances here")
-    return limiter._drive(flow)
+    answer: Decision = limiter._drive(call)
+    return answer
 
 
 async def allow_all_async(
     checks: Iterable[tuple[AsyncRedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
 ) -> Decision:
     """:func:`allow_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
-    limiter, flow = allow_all_flow(checks, cost)
+    limiter, call = allow_all_call(checks, cost)
     if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
         raise TypeError("allow_all_async takes AsyncRedisTokenBucketLimiter instances")
-    return await limiter._drive(flow)
+    answer: Decision = await limiter._drive(call)
+    return answer
 
 
 def _route_allow_all(checks: list[Any], cost: object) -> Any:

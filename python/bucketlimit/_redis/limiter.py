@@ -1,38 +1,39 @@
 """The Redis limiter written once, free of I/O (docs/design.md §6).
 
-Every operation is a *flow*: a generator that yields the commands to send and is
-sent their replies (or has their errors thrown in), the shape of httpx's
-``auth_flow``. Everything a call decides is here: validation, keys, script
-arguments, the refusal cache, the breaker, the failure policy, turning a reply into
-a ``Decision``, counting. ``RedisTokenBucketLimiter`` drives a flow with blocking
-calls and ``AsyncRedisTokenBucketLimiter`` with ``await`` (``bucketlimit.redis``);
-that is all they do.
+Everything a call decides is here: validation, keys, script arguments, the refusal
+cache, the breaker, the failure policy, turning a reply into a ``Decision``,
+counting. A call is a small state machine, the sans-I/O shape of h11: its steps
+(:meth:`RedisLimiter._start`, ``_reply``, ``_error``) either answer it or leave it
+pending on a command for the client. ``RedisTokenBucketLimiter`` sends that
+command with a blocking call and ``AsyncRedisTokenBucketLimiter`` awaits it
+(``bucketlimit.redis``); that is all they do.
 
-One route for every operation (:meth:`RedisLimiter._run`): refusal cache, breaker,
-send, then the reply or the failure policy; the call's counters are added in one
-place when it ends. A script is sent with EVALSHA; only a ``NOSCRIPT`` reply (the
-server lost its script cache: restart, failover, ``SCRIPT FLUSH``) is answered by
-sending the script itself once more, which is safe because the script did not run.
-Nothing else is retried: a command that timed out may have run, and sending it again
-could charge twice.
+One route for every operation: refusal cache, breaker, send, then the reply or the
+failure policy; the call is counted once, when it ends (``_finish``). A script is
+sent with EVALSHA; only a ``NOSCRIPT`` reply (the server lost its script cache:
+restart, failover, ``SCRIPT FLUSH``) is answered by sending the script itself once
+more, which is safe because the script did not run. Nothing else is retried: a
+command that timed out may have run, and sending it again could charge twice.
 """
 
 from __future__ import annotations
 
+import enum
+import math
 import operator
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import (
     TYPE_CHECKING,
     Any,
     ClassVar,
     Final,
     Generic,
+    Literal,
     SupportsIndex,
     TypedDict,
     TypeVar,
-    cast,
 )
 
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
@@ -57,41 +58,46 @@ from bucketlimit._redis.resilience import (
     CLOSED,
     LOCAL,
     RAISE,
+    SKIP,
+    STORE,
     Breaker,
     Fallback,
-    Gate,
     RefusalCache,
     check_policy,
     check_processes,
     check_retry_interval,
 )
 from bucketlimit._redis.script import (
+    ALLOW,
     BUCKET_SCRIPT,
+    CHECK,
     LUA_EXACT,
     NO_ARGS,
+    PEEK,
+    REFUND,
+    RESET,
     SERVER_TIME,
     Mode,
     Script,
-    decision,
     specialize,
 )
 
 if TYPE_CHECKING:
     from typing import Self, Unpack
 
-#: A command for the client: the name of one of its methods, and the arguments.
-Command = tuple[str, tuple[Any, ...]]
-T = TypeVar("T")
-#: An operation: yields commands, is sent their replies, returns its answer.
-Flow = Generator[Command, Any, T]
+
+class _Pending(enum.Enum):
+    PENDING = "pending"
+
+
+#: What a step answers while its call waits on a command (``call.name``,
+#: ``call.argv``): the driver sends it and hands the outcome to the next step.
+PENDING: Final = _Pending.PENDING
+#: A step's answer: the call's result (a Decision, or None for a refund, a reset,
+#: a check), or PENDING.
+Answer = Decision | None | Literal[_Pending.PENDING]
 #: The client type of a limiter class (redis-py's sync or asyncio clients).
 C = TypeVar("C")
-
-
-def resume(flow: Flow[Any], reply: Any, error: BaseException | None) -> Command:
-    """Hands a flow its command's reply, or the error the command raised; returns the
-    next command, or raises StopIteration carrying the flow's answer."""
-    return flow.send(reply) if error is None else flow.throw(error)
 
 
 #: The timeouts ``from_url`` gives its client, in seconds: a limiter that waits
@@ -112,24 +118,22 @@ class Options(TypedDict, total=False):
 
 
 class Call:
-    """One operation on its way to the store: what to send, what it takes to answer
-    without the store, and what happened (counted once, when it ends)."""
+    """One operation: what it sends, what it takes to answer without the store, and
+    the command it waits on (``name``, ``argv``: a client method and its arguments)."""
 
     __slots__ = (
         "args",
-        "cache_hit",
+        "argv",
         "checks",
         "cost",
-        "fallback",
         "gate",
         "key",
         "keys",
         "mode",
-        "reloads",
+        "name",
         "script",
         "sent",
         "started",
-        "store_error",
     )
 
     def __init__(
@@ -147,14 +151,14 @@ class Call:
         self.cost = cost
         self.script = script
         self.keys = keys
-        self.args = args
+        self.args = args  # the script's arguments
         self.checks = checks
-        self.gate = Gate.STORE
+        self.gate = STORE
         self.started = 0.0  # time.monotonic() before sending, for the refusal cache
-        # What happened, for stats(): commands sent, scripts re-sent after NOSCRIPT,
-        # a store fault, an answer without the store, a refusal from the cache.
-        self.sent = self.reloads = 0
-        self.store_error = self.fallback = self.cache_hit = False
+        self.sent = 0  # commands sent, for stats()
+        # The command it waits on: first its script by EVALSHA.
+        self.name = "execute_command"
+        self.argv: tuple[Any, ...] = ("EVALSHA", script.sha, len(keys), *keys, *args)
 
 
 class Counters:
@@ -176,21 +180,24 @@ class Counters:
         self.allowed = self.refused = self.store_calls = self.script_loads = 0
         self.store_errors = self.fallback_decisions = self.refusal_cache_hits = 0
 
-    def add(self, call: Call | None, allowed: bool | None) -> None:
-        """What one call did (``None``: nothing sent through this limiter), and its
-        decision when it was an allow (``None``: no decision)."""
+    def add(self, sent: int, allowed: bool | None) -> None:
+        """A call that ended: the commands it sent and, for an allow, its decision
+        (``RedisLimiter._finish`` is the one caller)."""
+        lock = self._lock
+        lock.acquire()  # cheaper than `with` on every call, and nothing here raises
+        self.store_calls += sent
+        if allowed is not None:
+            if allowed:
+                self.allowed += 1
+            else:
+                self.refused += 1
+        lock.release()
+
+    def event(self, name: str) -> None:
+        """One of the rarer things a call meets: ``script_loads``, ``store_errors``,
+        ``fallback_decisions`` or ``refusal_cache_hits``."""
         with self._lock:
-            if call is not None:
-                self.store_calls += call.sent
-                self.script_loads += call.reloads
-                self.store_errors += call.store_error
-                self.fallback_decisions += call.fallback
-                self.refusal_cache_hits += call.cache_hit
-            if allowed is not None:
-                if allowed:
-                    self.allowed += 1
-                else:
-                    self.refused += 1
+            setattr(self, name, getattr(self, name) + 1)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -386,142 +393,158 @@ class RedisLimiter(Generic[C]):
         absent)."""
         if self._clock is not None:
             return cost, mode.value, self._now()
-        if mode is not Mode.ALLOW:
+        if mode is not ALLOW:
             return cost, mode.value
         return NO_ARGS if cost == 1 else (cost,)
 
     def _call(self, mode: Mode, key: str, cost: object) -> Call:
-        """A one-bucket call of this limiter's own script; validates like the core."""
+        """An allow, a peek or a refund of one bucket; validates like the core."""
         if type(cost) is not int or not 0 < cost <= self._capacity:
             cost = _core.check_cost(cost, self._capacity)
-        return Call(mode, key, cost, self._own, [self._keys.bucket(key)], self._args(mode, cost))
+        if mode is ALLOW and cost == 1 and self._clock is None:
+            args = NO_ARGS  # the common call: _args written out
+        else:
+            args = self._args(mode, cost)
+        return Call(mode, key, cost, self._own, [self._keys.bucket(key)], args)
 
-    # -- the operations --------------------------------------------------------------
-
-    # Each returns the flow of _run, which always decides for an allow or a peek
-    # (cast: the type cannot say so) and answers None to a refund or a reset.
-
-    def _allow(self, key: str, cost: object) -> Flow[Decision]:
-        return cast("Flow[Decision]", self._run(self._call(Mode.ALLOW, key, cost)))
-
-    def _peek(self, key: str, cost: object) -> Flow[Decision]:
-        return cast("Flow[Decision]", self._run(self._call(Mode.PEEK, key, cost)))
-
-    def _refund(self, key: str, cost: object) -> Flow[None]:
-        return cast("Flow[None]", self._run(self._call(Mode.REFUND, key, cost)))
-
-    def _reset(self, key: str) -> Flow[None]:
-        call = Call(Mode.RESET, key, 0, self._own, [self._keys.bucket(key)], NO_ARGS)
+    def _reset_call(self, key: str) -> Call:
+        call = Call(RESET, key, 0, self._own, [self._keys.bucket(key)], NO_ARGS)
+        call.name, call.argv = "delete", tuple(call.keys)
         self._fallback.reset(key)  # full again here too, for the next outage
-        return cast("Flow[None]", self._run(call))
+        return call
 
-    def _check(self) -> Flow[None]:
-        """``check()``: the script (a peek at a key no bucket uses), then the version."""
-        call = Call(Mode.PEEK, "", 1, self._own, [self._keys.probe()], self._args(Mode.PEEK, 1))
-        try:
-            try:
-                yield from self._send(call)
-                try:
-                    info = yield ("info", ("server",))
-                except NoPermissionError:
-                    info = None  # INFO forbidden: the script ran, which is what counts
-            except Exception as e:
-                if classify(e) == CONFIG:
-                    raise configuration_error(e) from e
-                raise
-        finally:
-            self._counters.add(call, None)
-        check_version(info)
+    def _check_call(self) -> Call:
+        """check(): the script as a peek at a key no bucket has, then INFO."""
+        return Call(CHECK, "", 1, self._own, [self._keys.probe()], self._args(PEEK, 1))
 
-    # -- one route for every call: refusal cache, breaker, store, policy --------------
+    # -- the steps of a call --------------------------------------------------------
+    #
+    # A call is a small state machine that the subclasses drive (the shape of h11):
+    # _start answers it at once, or leaves it PENDING on a command to send
+    # (call.name, call.argv); the driver sends the command and hands the reply to
+    # _reply, or the error to _error, each of which answers or leaves the call
+    # PENDING on its next command. Every path ends in _finish, which counts it.
 
-    def _run(self, call: Call) -> Flow[Decision | None]:
-        """Answers ``call``: from the refusal cache, from the policy while the breaker
-        skips the store, or from the store's reply (the policy when it fails)."""
-        answer: Decision | None = None
-        try:
-            answer = self._cached(call)
-            if answer is not None:
-                return answer
-            call.gate = self._breaker.admit()
-            if call.gate is Gate.SKIP:
-                answer = self._without_store(call, None)
-                return answer
-            try:
-                reply = yield from self._send(call)
-            except BaseException as error:  # CancelledError too: a probe must be released
-                answer = self._failed(call, error)
-                return answer
-            answer = self._answered(call, reply)
-            return answer
-        finally:
-            self._count(call, answer)
-
-    def _send(self, call: Call) -> Flow[Any]:
-        """The call's command: its script by EVALSHA (the source after NOSCRIPT), or
-        DEL for a reset."""
-        call.sent += 1
-        keys = call.keys
-        if call.mode is Mode.RESET:
-            return (yield ("delete", tuple(keys)))
-        script, args = call.script, call.args
-        try:
-            try:
-                return (yield ("execute_command", ("EVALSHA", script.sha, len(keys), *keys, *args)))
-            except NoScriptError:
-                # The script did not run, so sending it whole is safe (and caches it).
-                call.sent += 1
-                call.reloads += 1
-                return (yield ("execute_command", ("EVAL", script.source, len(keys), *keys, *args)))
-        except ResponseError as e:
-            converted = store_error(e, keys)
-            if converted is e:
-                raise
-            raise converted from e
-
-    def _cached(self, call: Call) -> Decision | None:
-        """A refusal still in force for an allow or a peek of one bucket; a refund or
-        a reset forgets the key's refusal (this process gives tokens back)."""
+    def _start(self, call: Call) -> Answer:
+        """Answers from the refusal cache, or from the policy while the breaker skips
+        the store; otherwise the call waits on its first command."""
+        mode = call.mode
+        if mode is CHECK:
+            call.sent = 1
+            return PENDING  # check() asks the store whatever the breaker says
         refusals = self._refusals
-        if refusals is None or call.checks is not None:
-            return None
-        if call.mode is Mode.ALLOW or call.mode is Mode.PEEK:
-            call.started = time.monotonic()
-            cached = refusals.get(call.keys[0], call.cost, call.started)
-            call.cache_hit = cached is not None
-            return cached
-        refusals.drop(call.keys[0])
-        return None
+        if refusals is not None and call.checks is None:
+            if mode is ALLOW or mode is PEEK:
+                call.started = time.monotonic()
+                cached = refusals.get(call.keys[0], call.cost, call.started)
+                if cached is not None:
+                    self._counters.event("refusal_cache_hits")
+                    return self._finish(call, cached)
+            else:
+                refusals.drop(call.keys[0])  # this process gives tokens back
+        breaker = self._breaker
+        if breaker.open:  # else admit() would say STORE
+            call.gate = breaker.admit()
+            if call.gate is SKIP:
+                return self._finish(call, self._without_store(call, None))
+        call.sent = 1
+        return PENDING
 
-    def _answered(self, call: Call, reply: Any) -> Decision | None:
-        self._breaker.succeeded(call.gate)
-        if call.mode is Mode.REFUND or call.mode is Mode.RESET:
-            return None
-        answer = decision(reply, self._capacity)
+    def _reply(self, call: Call, reply: Any) -> Answer:
+        """The store answered the call's command.
+
+        A script's reply is ``{retry_after_us, remaining, reset_after_us[, limit]}``:
+        waits in whole microseconds, -1 for never; the limit of the tightest bucket
+        follows when the script decided several (allow_all).
+        """
+        mode = call.mode
+        if mode is CHECK:
+            if call.name == "execute_command":  # the script ran: now the version
+                call.name, call.argv = "info", ("server",)
+                return PENDING
+            check_version(reply)
+            return self._finish(call, None)
+        if call.gate is not STORE or self._breaker.open:  # else nothing to close
+            self._breaker.succeeded(call.gate)
+        if mode is REFUND or mode is RESET:
+            return self._finish(call, None)
+        retry_after, remaining, reset_after = reply[0], reply[1], reply[2]
+        answer = Decision(
+            retry_after == 0,
+            retry_after / 1_000_000 if retry_after >= 0 else math.inf,
+            remaining,
+            reset_after / 1_000_000 if reset_after >= 0 else math.inf,
+            reply[3] if len(reply) > 3 else self._capacity,
+        )
         refusals = self._refusals
         if refusals is not None and call.checks is None:
             if not answer.allowed:
                 refusals.put(call.keys[0], call.cost, answer, call.started)
             elif refusals.entries:
                 refusals.drop(call.keys[0])
+        return self._finish(call, answer)
+
+    def _error(self, call: Call, error: BaseException) -> Answer:
+        """The call's command failed (CancelledError and KeyboardInterrupt too: a
+        probe must be released and the call counted): send it again only after
+        NOSCRIPT, else the failure policy answers, or this raises."""
+        if isinstance(error, NoScriptError) and call.argv[0] == "EVALSHA":
+            # The script did not run, so sending it whole is safe (and caches it).
+            self._counters.event("script_loads")
+            keys = call.keys
+            call.argv = ("EVAL", call.script.source, len(keys), *keys, *call.args)
+            call.sent += 1
+            return PENDING
+        if isinstance(error, ResponseError):
+            converted = store_error(error, call.keys)
+            if converted is not error:
+                converted.__cause__ = error
+                error = converted
+        try:
+            if call.mode is CHECK:
+                self._checked(call, error)
+                answer = None
+            else:
+                answer = self._failed(call, error)
+        except BaseException:
+            self._finish(call, None)  # what it sent still counts
+            raise
+        return self._finish(call, answer)
+
+    def _checked(self, call: Call, error: BaseException) -> None:
+        """check()'s failure: raised, as a ConfigurationError when no retry will fix it."""
+        if call.name == "info" and isinstance(error, NoPermissionError):
+            return  # INFO forbidden: the script ran, which is what counts
+        if classify(error) == CONFIG:
+            raise configuration_error(error) from error
+        raise error
+
+    def _finish(self, call: Call, answer: Decision | None) -> Decision | None:
+        """Counts a call that ended, once: the commands it sent and, for an allow, its
+        decision (an allow_all's counts for every (limiter, key) it named)."""
+        allowed = None if answer is None or call.mode is not ALLOW else answer.allowed
+        self._counters.add(call.sent, allowed)
+        if call.checks is not None and allowed is not None:
+            for limiter, _ in call.checks[1:]:
+                limiter._counters.add(0, allowed)
         return answer
 
     def _failed(self, call: Call, error: BaseException) -> Decision | None:
         """Answers a call whose command failed, or raises."""
         kind = classify(error)
+        if kind in (FAULT, CORRUPT):
+            self._counters.event("store_errors")
         if kind == FAULT:
-            call.store_error = True
             self._breaker.failed(call.gate, error)
             return self._without_store(call, error)
         if kind == CORRUPT:
             # The store answered, so it works: no breaker; and never an allow.
-            call.store_error = True
             self._breaker.succeeded(call.gate)
             if self._raises(call):
                 raise error
-            if call.mode is Mode.REFUND or call.mode is Mode.RESET:
+            if call.mode is REFUND or call.mode is RESET:
                 return None
-            call.fallback = True
+            self._counters.event("fallback_decisions")
             return self._fallback.refusal()
         self._breaker.release(call.gate)
         if kind == CONFIG:
@@ -538,29 +561,20 @@ class RedisLimiter(Generic[C]):
             if error is not None:
                 raise error
             raise StoreUnavailableError(self._breaker.describe())
-        if call.mode is Mode.REFUND:
+        if call.mode is REFUND:
             # Lost for the store, which keeps the charge: never more than the limit.
             self._fallback.refund(call.key, call.cost)
             return None
-        if call.mode is Mode.RESET:
+        if call.mode is RESET:
             return None  # lost for the store; the local bucket is full already
-        call.fallback = True
+        self._counters.event("fallback_decisions")
         if call.checks is not None:
             return _fallback_all(call.checks, call.cost)
-        return self._fallback.decide(call.key, call.cost, peek=call.mode is Mode.PEEK)
-
-    def _count(self, call: Call, answer: Decision | None) -> None:
-        """Adds what ``call`` did to the stats: once, when it ends. An allow_all's
-        decision counts for every (limiter, key) it named."""
-        allowed = None if answer is None or call.mode is not Mode.ALLOW else answer.allowed
-        self._counters.add(call, allowed)
-        if call.checks is not None and allowed is not None:
-            for limiter, _ in call.checks[1:]:
-                limiter._counters.add(None, allowed)
+        return self._fallback.decide(call.key, call.cost, peek=call.mode is PEEK)
 
 
-def allow_all_flow(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[Any], Flow[Decision]]:
-    """The limiter to drive it with, and the flow of one ``allow_all`` script (the
+def allow_all_call(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[Any], Call]:
+    """The limiter to drive it with, and the call of one ``allow_all`` script (the
     general form of bucket.lua: cost, mode, then now and the configuration of each
     bucket), sent through the first limiter: its breaker, its policy for the store's
     faults.
@@ -571,7 +585,7 @@ def allow_all_flow(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[An
     checks = list(checks)
     limiters: list[RedisLimiter[Any]] = []
     keys: list[bytes] = []
-    args: list[Any] = [0, Mode.ALLOW.value]
+    args: list[Any] = [0, ALLOW.value]
     seen: set[tuple[int, str]] = set()
     for item in checks:
         try:
@@ -610,8 +624,7 @@ def allow_all_flow(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[An
     first = limiters[0]
     if isinstance(first._client, (RedisCluster, AsyncRedisCluster)):
         check_one_slot(keys)
-    call = Call(Mode.ALLOW, "", args[0], first._script, keys, args, checks=checks)
-    return first, cast("Flow[Decision]", first._run(call))
+    return first, Call(ALLOW, "", args[0], first._script, keys, args, checks=checks)
 
 
 def _fallback_all(checks: Sequence[tuple[RedisLimiter[Any], str]], cost: int) -> Decision:

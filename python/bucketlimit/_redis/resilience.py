@@ -109,6 +109,10 @@ class Gate(enum.Enum):
     SKIP = "skip"  # the breaker is open: answer without the store
 
 
+# As module constants (an Enum member read through its class costs ~80 ns).
+STORE, PROBE, SKIP = Gate.STORE, Gate.PROBE, Gate.SKIP
+
+
 class Breaker:
     """Skips a failing store for ``retry_interval`` seconds, then lets one call probe it.
 
@@ -146,22 +150,22 @@ class Breaker:
         # Unlocked fast path: a call racing with the opening is the call that was
         # already on its way when the store failed (at most one per thread).
         if not self.open or self.retry_interval == 0:
-            return Gate.STORE
+            return STORE
         with self._lock:
             if not self.open:
-                return Gate.STORE
+                return STORE
             if self._probing or self._monotonic() < self._retry_at:
                 self._skipped += 1
-                return Gate.SKIP
+                return SKIP
             self._probing = True
-            return Gate.PROBE
+            return PROBE
 
     def succeeded(self, gate: Gate) -> None:
         """The store answered (even with an error reply about one key)."""
-        if not self.open and gate is not Gate.PROBE:
+        if not self.open and gate is not PROBE:
             return
         with self._lock:
-            if gate is Gate.PROBE:
+            if gate is PROBE:
                 self._probing = False
             if not self.open:
                 return
@@ -179,7 +183,7 @@ class Breaker:
         """The store failed (a timeout, a lost connection, a busy or read-only server)."""
         now = self._monotonic()
         with self._lock:
-            if gate is Gate.PROBE:
+            if gate is PROBE:
                 self._probing = False
             self._retry_at = now + self.retry_interval
             self._last_error = f"{type(error).__name__}: {error}"
@@ -199,7 +203,7 @@ class Breaker:
     def release(self, gate: Gate) -> None:
         """The call ended without telling whether the store works (cancelled, or an
         error that is not a store failure): another call may probe."""
-        if gate is Gate.PROBE:
+        if gate is PROBE:
             with self._lock:
                 self._probing = False
 
