@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from bucketlimit import TokenBucketLimiter
+from bucketlimit import LimiterStats, TokenBucketLimiter
 from bucketlimit._simulate import Request, Settings, make_traffic
 from bucketlimit.testing import ManualClock
 from tests.core.test_cli import ReferenceBucket, run_cli, simulate_args, table_row
@@ -34,7 +34,7 @@ def simulate_json(*args: str) -> dict[str, Any]:
 
 def limiter_counts(
     requests: list[Request], capacity: int, rate: float, *, shared: bool = False
-) -> tuple[dict[str, int], Counter[str], Counter[str]]:
+) -> tuple[LimiterStats, Counter[str], Counter[str]]:
     """The limiter's own stats() and admitted/refused per key, for these requests."""
     clock = ManualClock()
     limiter = TokenBucketLimiter(capacity, rate, clock)
@@ -46,7 +46,7 @@ def limiter_counts(
             admitted[request.key] += 1
         else:
             refused[request.key] += 1
-    return dict(limiter.stats()), admitted, refused
+    return limiter.stats(), admitted, refused
 
 
 def reference_counts(

@@ -75,6 +75,7 @@ from bucketlimit._redis.script import (
     decision,
     specialize,
 )
+from bucketlimit._stats import RedisLimiterStats
 
 if TYPE_CHECKING:
     from typing import Self, Unpack
@@ -345,7 +346,7 @@ class RedisLimiter(Generic[C]):
         """Whether refusals are remembered (asked for, and the store's clock in use)."""
         return self._refusals is not None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> RedisLimiterStats:
         """Counters of this limiter object: ``allowed`` and ``refused`` decisions,
         ``store_calls`` (commands sent), ``script_loads`` (scripts re-sent after
         ``NOSCRIPT``), ``store_errors`` (store faults, corrupt buckets included),
@@ -353,7 +354,7 @@ class RedisLimiter(Generic[C]):
         (outages) and ``refusal_cache_hits`` (refusals answered without the store)."""
         stats = self._counters.snapshot()
         stats["breaker_openings"] = self._breaker.openings
-        return stats
+        return cast("RedisLimiterStats", stats)
 
     def __repr__(self) -> str:
         return (
