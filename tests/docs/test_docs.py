@@ -31,6 +31,7 @@ EXPECTED_BLOCKS: dict[str, int] = {
     "docs/benchmarks.md": 0,
     "docs/cli.md": 1,
     "docs/design.md": 1,
+    "docs/metrics.md": 2,
     "docs/redis.md": 6,
     "docs/web.md": 5,
 }
