@@ -150,10 +150,10 @@ class Replay:
     clients: dict[str, Client] = field(default_factory=dict)
     compare: Comparison | None = None
     # Scratch for the counting: the current instant and run.
-    _instant: int = -1
-    _at_instant: int = 0
-    _run_length: int = 0
-    _run_start: int = 0
+    _instant: int = field(default=-1, repr=False, compare=False)
+    _at_instant: int = field(default=0, repr=False, compare=False)
+    _run_length: int = field(default=0, repr=False, compare=False)
+    _run_start: int = field(default=0, repr=False, compare=False)
 
     def count(self, request: Request, bucket: str, decision: Decision, b: int) -> None:
         """Adds one answer, for the request arriving in bin ``b``."""
