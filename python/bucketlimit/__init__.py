@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, SupportsIndex, overload
 from bucketlimit import _core
 from bucketlimit._core import MAX_KEY_BYTES, Decision, TokenBucketLimiter, __version__
 from bucketlimit._errors import ConfigurationError
+from bucketlimit._stats import LimiterStats, RedisLimiterStats
 
 if TYPE_CHECKING:
     from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
@@ -29,6 +30,8 @@ __all__ = [
     "MAX_KEY_BYTES",
     "ConfigurationError",
     "Decision",
+    "LimiterStats",
+    "RedisLimiterStats",
     "TokenBucketLimiter",
     "__version__",
     "allow_all",

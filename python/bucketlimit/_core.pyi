@@ -3,6 +3,8 @@
 from collections.abc import Callable, Iterable
 from typing import Any, SupportsIndex, final
 
+from bucketlimit._stats import LimiterStats
+
 __all__ = [
     "MAX_KEY_BYTES",
     "Decision",
@@ -98,7 +100,7 @@ class TokenBucketLimiter:
     def clear(self) -> None:
         """Forgets every bucket and releases the table's memory."""
     def __len__(self) -> int: ...
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> LimiterStats:
         """Counters: allowed, refused, keys, evicted, refused_new_keys."""
     @property
     def capacity(self) -> int: ...

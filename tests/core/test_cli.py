@@ -86,6 +86,7 @@ CASES = [
 def test_simulate_reports_what_the_reference_bucket_admits(settings: Settings) -> None:
     out = io.StringIO()
     replay = simulate(settings, out)
+    assert settings.duration is not None  # made-up traffic, not a replay
     duration_us = round(settings.duration * 1_000_000)
     reference = ReferenceBucket(settings.capacity, settings.rate, settings.per)
     rate = float(Fraction(repr(settings.rate)) / Fraction(repr(settings.per)))

@@ -81,6 +81,7 @@ from bucketlimit._redis.script import (
     Script,
     specialize,
 )
+from bucketlimit._stats import RedisLimiterStats
 
 if TYPE_CHECKING:
     from typing import Self, Unpack
@@ -352,7 +353,7 @@ class RedisLimiter(Generic[C]):
         """Whether refusals are remembered (asked for, and the store's clock in use)."""
         return self._refusals is not None
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> RedisLimiterStats:
         """Counters of this limiter object: ``allowed`` and ``refused`` decisions,
         ``store_calls`` (commands sent), ``script_loads`` (scripts re-sent after
         ``NOSCRIPT``), ``store_errors`` (store faults, corrupt buckets included),
@@ -360,7 +361,7 @@ class RedisLimiter(Generic[C]):
         (outages) and ``refusal_cache_hits`` (refusals answered without the store)."""
         stats = self._counters.snapshot()
         stats["breaker_openings"] = self._breaker.openings
-        return stats
+        return cast("RedisLimiterStats", stats)
 
     def __repr__(self) -> str:
         return (

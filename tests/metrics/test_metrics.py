@@ -1,0 +1,268 @@
+"""``bucketlimit.metrics``: the limiters' stats() as Prometheus and OpenTelemetry metrics.
+
+Each library is read through its own in-memory side: prometheus_client's
+``CollectorRegistry`` and opentelemetry-sdk's ``InMemoryMetricReader``. After a
+scripted trace run by threads (while other threads keep collecting), every
+metric equals the limiter's ``stats()`` and the decisions the threads saw.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client import CollectorRegistry, generate_latest
+
+from bucketlimit import ConfigurationError, TokenBucketLimiter
+from bucketlimit.metrics import (
+    METRICS,
+    LimiterMetrics,
+    MetricsUnavailableError,
+    PrometheusCollector,
+)
+from bucketlimit.testing import ManualClock
+
+THREADS = 4
+CALLS = 600
+
+
+def otel_points(reader: InMemoryMetricReader) -> dict[tuple[str, frozenset[Any]], int]:
+    """{(instrument name, attributes): value} of one collection."""
+    points: dict[tuple[str, frozenset[Any]], int] = {}
+    data = reader.get_metrics_data()
+    assert data is not None
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            assert scope.scope.name == "bucketlimit"
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    attributes = frozenset((point.attributes or {}).items())
+                    points[metric.name, attributes] = int(point.value)  # type: ignore[union-attr]
+    return points
+
+
+def prom(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+@pytest.fixture
+def measured() -> Iterator[tuple[LimiterMetrics, CollectorRegistry, InMemoryMetricReader]]:
+    limiters = LimiterMetrics()
+    registry = CollectorRegistry()
+    limiters.register_prometheus(registry)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    limiters.register_opentelemetry(provider)
+    yield limiters, registry, reader
+    provider.shutdown()
+
+
+def test_metrics_match_stats_after_a_threaded_trace(
+    measured: tuple[LimiterMetrics, CollectorRegistry, InMemoryMetricReader],
+) -> None:
+    limiters, registry, reader = measured
+    clock = ManualClock()
+    login = limiters.add("login", TokenBucketLimiter(5, 0, clock, max_keys=8))
+    api = limiters.add("api", TokenBucketLimiter(40, 1, clock))
+    seen: Counter[tuple[str, bool]] = Counter()
+    seen_lock = threading.Lock()
+    start = threading.Barrier(THREADS + 1)
+    done = threading.Event()
+    scraped: list[float] = []
+
+    def client(n: int) -> None:
+        mine: Counter[tuple[str, bool]] = Counter()
+        start.wait()
+        for i in range(CALLS):
+            # 20 users on an 8-key table: evictions are impossible at rate 0
+            # (no bucket is ever full again), so new keys get refused.
+            user = f"user-{(n * 7 + i) % 20}"
+            mine["login", bool(login.allow(user))] += 1
+            mine["api", bool(api.allow(user, 1 + i % 3))] += 1
+        with seen_lock:
+            seen.update(mine)
+
+    def scraper() -> None:
+        start.wait()
+        while not done.is_set():
+            value = prom(registry, "bucketlimit_decisions_total", policy="api", outcome="allowed")
+            scraped.append(value or 0.0)
+            otel_points(reader)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(THREADS)]
+    collector = threading.Thread(target=scraper)
+    for thread in [*threads, collector]:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    done.set()
+    collector.join(timeout=20)
+
+    assert len(scraped) > 0
+    assert scraped == sorted(scraped)  # a counter never goes back
+    points = otel_points(reader)
+    for policy, limiter in (("login", login), ("api", api)):
+        stats = limiter.stats()
+        counts = {
+            "allowed": stats["allowed"],
+            "refused": stats["refused"],
+            "keys": stats["keys"],
+            "evicted": stats["evicted"],
+            "refused_new_keys": stats["refused_new_keys"],
+        }
+        assert stats["allowed"] == seen[policy, True] > 0
+        assert stats["refused"] == seen[policy, False] > 0
+        assert stats["allowed"] + stats["refused"] == THREADS * CALLS
+        for outcome, stat in (("allowed", "allowed"), ("refused", "refused")):
+            value = prom(registry, "bucketlimit_decisions_total", policy=policy, outcome=outcome)
+            assert value == counts[stat]
+            key = (
+                "bucketlimit.decisions",
+                frozenset({"policy": policy, "outcome": outcome}.items()),
+            )
+            assert points[key] == counts[stat]
+        for name, stat in (
+            ("keys", "keys"),
+            ("evicted_keys", "evicted"),
+            ("refused_new_keys", "refused_new_keys"),
+        ):
+            suffix = "" if name == "keys" else "_total"
+            assert prom(registry, f"bucketlimit_{name}{suffix}", policy=policy) == counts[stat]
+            assert (
+                points[f"bucketlimit.{name}", frozenset({"policy": policy}.items())] == counts[stat]
+            )
+        # An in-process limiter has no store: no degraded decisions, no store metrics.
+        assert (
+            prom(registry, "bucketlimit_decisions_total", policy=policy, outcome="degraded") is None
+        )
+        assert prom(registry, "bucketlimit_store_errors_total", policy=policy) is None
+    assert login.stats()["keys"] == 8
+    assert login.stats()["refused_new_keys"] > 0
+
+
+def test_stats_are_read_only_when_collected() -> None:
+    class Counting:
+        """A limiter stand-in that counts how often it is read."""
+
+        def __init__(self, stats: Mapping[str, int]) -> None:
+            self.reads = 0
+            self._stats = dict(stats)
+
+        def stats(self) -> dict[str, int]:
+            self.reads += 1
+            return self._stats
+
+    limiter = Counting({"allowed": 3, "refused": 1, "keys": 2})
+    limiters = LimiterMetrics({"api": limiter})
+    registry = CollectorRegistry()
+    limiters.register_prometheus(registry)  # describe() reads nothing
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    limiters.register_opentelemetry(provider)
+    assert limiter.reads == 0
+    text = generate_latest(registry).decode()
+    assert 'bucketlimit_decisions_total{outcome="allowed",policy="api"} 3.0' in text
+    assert 'bucketlimit_keys{policy="api"} 2.0' in text
+    assert limiter.reads == 1  # one scrape, one read
+    otel_points(reader)
+    # One read per instrument with a sample callback: each reads once per collection.
+    instruments = len({m.name for m in METRICS})
+    assert limiter.reads == 1 + instruments
+    provider.shutdown()
+
+
+def test_reservations_waiting_reports_once_stats_has_it() -> None:
+    class WithReservations:
+        def stats(self) -> dict[str, int]:
+            return {"allowed": 1, "refused": 0, "reservations_waiting": 3}
+
+    limiters = LimiterMetrics({"upload": WithReservations()})
+    registry = CollectorRegistry()
+    limiters.register_prometheus(registry)
+    assert prom(registry, "bucketlimit_reservations_waiting", policy="upload") == 3
+    plain = LimiterMetrics({"api": TokenBucketLimiter(1, 1)})
+    other = CollectorRegistry()
+    plain.register_prometheus(other)
+    assert prom(other, "bucketlimit_reservations_waiting", policy="api") is None
+
+
+def test_adding_and_removing_limiters() -> None:
+    limiters = LimiterMetrics()
+    limiter = TokenBucketLimiter(2, 1)
+    assert limiters.add("api", limiter) is limiter
+    assert limiters.add("api", limiter) is limiter  # the same one again: no change
+    with pytest.raises(ValueError, match="a limiter named 'api' is measured already"):
+        limiters.add("api", TokenBucketLimiter(2, 1))
+    with pytest.raises(TypeError, match="name must be a str, got int"):
+        limiters.add(3, limiter)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="name must not be empty"):
+        limiters.add("", limiter)
+    with pytest.raises(TypeError, match="limiter must have a stats\\(\\) method, got object"):
+        limiters.add("x", object())  # type: ignore[type-var]
+    assert limiters.names() == ["api"]
+    limiter.allow("k")
+    assert {(r.metric.name, r.value) for r in limiters.read()} >= {("decisions", 1), ("keys", 1)}
+    limiters.remove("api")
+    assert limiters.read() == []
+    with pytest.raises(KeyError):
+        limiters.remove("api")
+
+
+def test_prometheus_collector_can_be_registered_by_hand() -> None:
+    limiters = LimiterMetrics({"api": TokenBucketLimiter(2, 1)})
+    collector = limiters.prometheus_collector(namespace="myapp_limits")
+    assert isinstance(collector, PrometheusCollector)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    assert prom(registry, "myapp_limits_decisions_total", policy="api", outcome="allowed") == 0
+    registry.unregister(collector)
+    assert prom(registry, "myapp_limits_decisions_total", policy="api", outcome="allowed") is None
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_importing_bucketlimit_loads_no_metrics_library() -> None:
+    result = run_python(
+        "import sys, bucketlimit\n"
+        "from bucketlimit import TokenBucketLimiter\n"
+        "TokenBucketLimiter(1, 1).allow('k')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('prometheus', 'opentelemetry', "
+        "'bucketlimit.metrics'))))"
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, "[]\n", "")
+
+
+@pytest.mark.parametrize(
+    ("blocked", "call", "package"),
+    [
+        ("prometheus_client", "register_prometheus()", "prometheus-client"),
+        ("opentelemetry", "register_opentelemetry()", "opentelemetry-api"),
+    ],
+)
+def test_a_missing_library_is_a_clear_error(blocked: str, call: str, package: str) -> None:
+    result = run_python(
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        "from bucketlimit.metrics import LimiterMetrics, MetricsUnavailableError\n"
+        "from bucketlimit import ConfigurationError\n"
+        "try:\n"
+        f"    LimiterMetrics().{call}\n"
+        "except MetricsUnavailableError as error:\n"
+        "    assert isinstance(error, ConfigurationError) and isinstance(error, ImportError)\n"
+        "    print(error)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"needs the {package} package, which is not installed: pip install {package}" in (
+        result.stdout
+    )
+    assert issubclass(MetricsUnavailableError, ConfigurationError)
