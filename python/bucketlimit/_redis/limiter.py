@@ -34,6 +34,7 @@ from typing import (
     SupportsIndex,
     TypedDict,
     TypeVar,
+    cast,
 )
 
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
