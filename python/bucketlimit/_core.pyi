@@ -14,11 +14,11 @@ __all__ = [
     "acquire_all",
     "acquire_all_async",
     "allow_all",
-    "reserve_all",
     "check_cost",
     "check_key",
     "clock_to_micros",
     "exact_units",
+    "reserve_all",
 ]
 
 MAX_DEBT_CAPACITIES: int
