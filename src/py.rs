@@ -168,14 +168,13 @@ pub(crate) fn key_str<'a>(key: &'a Bound<'_, PyString>) -> PyResult<&'a str> {
 pub(crate) fn seconds(wait: Wait) -> f64 {
     wait.map_or(f64::INFINITY, |micros| {
         // `u128 as f64` is a slow software routine; real waits fit in u64,
-        // whose conversion is one instruction. Split, so the compiler
-        // cannot fold it back into the u128 routine.
+        // whose conversion is one instruction. Longer ones (a deep debt at a
+        // tiny rate) take the routine: correctly rounded, as Python's float().
         let high = (micros >> 64) as u64;
-        let low = micros as u64;
         let micros = if high == 0 {
-            low as f64
+            micros as u64 as f64
         } else {
-            high as f64 * 18_446_744_073_709_551_616.0 + low as f64
+            micros as f64
         };
         micros / 1_000_000.0
     })
