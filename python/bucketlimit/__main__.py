@@ -68,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="average requests per second offered (default: twice what the limit sustains)",
     )
     sim.add_argument("--ascii", action="store_true", help="draw the chart with ASCII only")
+    sim.add_argument(
+        "--acquire",
+        action="store_true",
+        help="pace the same traffic instead of refusing it: each request reserves and "
+        "waits for its tokens; reports the waits and checks the bound",
+    )
+    sim.add_argument(
+        "--max-wait",
+        type=float,
+        default=None,
+        help="with --acquire: the longest a request waits; longer is refused (default: none)",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -96,7 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         duration=args.duration,
         seed=args.seed,
         offered_rate=args.offered_rate,
+        acquire=args.acquire,
+        max_wait=args.max_wait,
     )
+    if args.max_wait is not None and not args.acquire:
+        parser.error("--max-wait needs --acquire")
     try:
         simulate(settings, sys.stdout, ascii_only=args.ascii or not _draws_blocks(sys.stdout))
     except SimulationError as error:
