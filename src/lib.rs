@@ -7,6 +7,7 @@ pub mod bucket;
 pub mod clock;
 pub mod error;
 mod py;
+mod py_reserve;
 pub mod rate;
 pub mod registry;
 
@@ -22,7 +23,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     clock::start_monotonic();
     m.add_class::<py::Decision>()?;
     m.add_class::<py::TokenBucketLimiter>()?;
+    m.add_class::<py_reserve::Reservation>()?;
+    m.add_class::<py_reserve::Acquiring>()?;
     m.add_function(wrap_pyfunction!(py::allow_all, m)?)?;
+    m.add_function(wrap_pyfunction!(py::reserve_all, m)?)?;
+    m.add_function(wrap_pyfunction!(py::acquire_all, m)?)?;
+    m.add_function(wrap_pyfunction!(py::acquire_all_async, m)?)?;
+    m.add("MAX_DEBT_CAPACITIES", bucket::MAX_DEBT_CAPACITIES)?;
     // For the Python layer (Redis limiter): the same rules, not a copy.
     m.add_function(wrap_pyfunction!(py::exact_units, m)?)?;
     m.add_function(wrap_pyfunction!(py::clock_to_micros, m)?)?;

@@ -13,8 +13,9 @@ use pyo3::PyTraverseError;
 use crate::bucket::{self, Wait};
 use crate::clock;
 use crate::error::Error;
+use crate::py_reserve;
 use crate::rate::{Config, Number};
-use crate::registry::{self, Check, Registry};
+use crate::registry::Registry;
 
 impl From<Error> for PyErr {
     fn from(error: Error) -> PyErr {
@@ -34,13 +35,13 @@ impl From<Error> for PyErr {
     }
 }
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map_or_else(|_| "?".to_owned(), |n| n.to_string())
 }
 
-fn repr(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
     obj.repr()
         .map_or_else(|_| "?".to_owned(), |r| r.to_string())
 }
@@ -48,7 +49,7 @@ fn repr(obj: &Bound<'_, PyAny>) -> String {
 /// An integer as the bad-input table defines it: an `int` or anything with
 /// `__index__`, never a `bool` or a `float`. Values beyond i128 are a
 /// `ValueError` (never `PyO3`'s `OverflowError`).
-fn integer(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
+pub(crate) fn integer(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
     if obj.is_instance_of::<PyBool>() || obj.is_instance_of::<PyFloat>() {
         return Err(PyTypeError::new_err(format!(
             "{name} must be an int, got {} {}",
@@ -133,7 +134,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Per {
 }
 
 /// A key argument: a `str` (checked here) that encodes as UTF-8.
-pub struct Key<'a, 'py>(Borrowed<'a, 'py, PyString>);
+pub struct Key<'a, 'py>(pub(crate) Borrowed<'a, 'py, PyString>);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Key<'a, 'py> {
     type Error = PyErr;
@@ -150,25 +151,30 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Key<'a, 'py> {
 }
 
 impl Key<'_, '_> {
-    fn as_str(&self) -> PyResult<&str> {
+    pub(crate) fn as_str(&self) -> PyResult<&str> {
         self.0
             .to_str()
             .map_err(|e| PyValueError::new_err(format!("key is not encodable as UTF-8: {e}")))
     }
 }
 
+/// A key already checked to be a `str`, as UTF-8.
+pub(crate) fn key_str<'a>(key: &'a Bound<'_, PyString>) -> PyResult<&'a str> {
+    key.to_str()
+        .map_err(|e| PyValueError::new_err(format!("key is not encodable as UTF-8: {e}")))
+}
+
 /// Seconds as a float; `inf` when the wait never ends.
-fn seconds(wait: Wait) -> f64 {
+pub(crate) fn seconds(wait: Wait) -> f64 {
     wait.map_or(f64::INFINITY, |micros| {
         // `u128 as f64` is a slow software routine; real waits fit in u64,
-        // whose conversion is one instruction. Split, so the compiler
-        // cannot fold it back into the u128 routine.
+        // whose conversion is one instruction. Longer ones (a deep debt at a
+        // tiny rate) take the routine: correctly rounded, as Python's float().
         let high = (micros >> 64) as u64;
-        let low = micros as u64;
         let micros = if high == 0 {
-            low as f64
+            micros as u64 as f64
         } else {
-            high as f64 * 18_446_744_073_709_551_616.0 + low as f64
+            micros as f64
         };
         micros / 1_000_000.0
     })
@@ -241,7 +247,7 @@ pub struct Decision {
 
 impl Decision {
     #[inline]
-    fn of(d: bucket::Decision, degraded: bool) -> Decision {
+    pub(crate) fn of(d: bucket::Decision, degraded: bool) -> Decision {
         Decision {
             allowed: d.allowed,
             retry_after: seconds(d.retry_after),
@@ -254,6 +260,14 @@ impl Decision {
 }
 
 impl Decision {
+    pub(crate) fn copy(&self) -> Decision {
+        Decision { ..*self }
+    }
+
+    pub(crate) fn allowed(&self) -> bool {
+        self.allowed
+    }
+
     fn fields(&self) -> (bool, f64, u64, f64, u64, bool) {
         (
             self.allowed,
@@ -339,7 +353,7 @@ impl Decision {
 /// An in-process token-bucket limiter: one bucket per key.
 #[pyclass(frozen, module = "bucketlimit._core")]
 pub struct TokenBucketLimiter {
-    registry: Registry,
+    pub(crate) registry: Registry,
     clock: Option<Py<PyAny>>,
     per: f64,
     max_keys: Option<usize>,
@@ -351,7 +365,7 @@ impl TokenBucketLimiter {
     /// Reads the clock. Always before the registry lock is taken: the clock
     /// may be Python code, which must never run under the lock.
     #[inline]
-    fn now(&self, py: Python<'_>) -> PyResult<i64> {
+    pub(crate) fn now(&self, py: Python<'_>) -> PyResult<i64> {
         match &self.clock {
             None => Ok(clock::monotonic_micros()),
             Some(clock) => clock_micros(&clock.bind(py).call0()?),
@@ -360,6 +374,14 @@ impl TokenBucketLimiter {
 
     fn config(&self) -> &Config {
         self.registry.config()
+    }
+
+    pub(crate) fn clock(&self) -> Option<&Py<PyAny>> {
+        self.clock.as_ref()
+    }
+
+    pub(crate) fn degraded(&self) -> bool {
+        self.degraded
     }
 }
 
@@ -452,6 +474,65 @@ impl TokenBucketLimiter {
         Ok(self.registry.refund(key.as_str()?, cost.0, now)?)
     }
 
+    /// Takes `cost` tokens now, in debt if need be; `delay` says when they
+    /// are the caller's. Refused at once (spending nothing) when the wait
+    /// would exceed `max_wait` seconds or the debt its bound (docs/design.md §4).
+    #[pyo3(signature = (key, cost = Cost(1), *, max_wait = None))]
+    #[pyo3(text_signature = "($self, key, cost=1, *, max_wait=None)")]
+    fn reserve(
+        slf: &Bound<'_, Self>,
+        key: &Bound<'_, PyString>,
+        cost: Cost,
+        max_wait: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<py_reserve::Reservation> {
+        let max_wait = py_reserve::max_wait(max_wait, "max_wait")?;
+        py_reserve::reserve_one(slf.py(), slf, key, cost.0, max_wait)
+    }
+
+    /// Blocks until the tokens are the caller's, or refuses at once when the
+    /// wait would exceed `timeout` seconds.
+    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None))]
+    #[pyo3(text_signature = "($self, key, cost=1, *, timeout=None)")]
+    fn acquire(
+        slf: &Bound<'_, Self>,
+        key: &Bound<'_, PyString>,
+        cost: Cost,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<Decision>> {
+        let timeout = py_reserve::max_wait(timeout, "timeout")?;
+        let reservation = py_reserve::reserve_one(slf.py(), slf, key, cost.0, timeout)?;
+        py_reserve::wait(slf.py(), &reservation)
+    }
+
+    /// `acquire` for asyncio: a coroutine; a cancelled waiter gives its tokens back.
+    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None))]
+    #[pyo3(text_signature = "($self, key, cost=1, *, timeout=None)")]
+    fn acquire_async(
+        slf: &Bound<'_, Self>,
+        key: &Bound<'_, PyString>,
+        cost: Cost,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<py_reserve::Acquiring> {
+        let max_wait = py_reserve::max_wait(timeout, "timeout")?;
+        // The key and cost are checked now; the tokens are taken when awaited.
+        crate::error::check_key(key_str(key)?)?;
+        slf.get().config().check_cost(cost.0)?;
+        Ok(py_reserve::Acquiring::new(py_reserve::Request::One {
+            limiter: slf.clone().unbind(),
+            key: key.clone().unbind(),
+            cost: cost.0,
+            max_wait,
+        }))
+    }
+
+    /// Records use that already happened: any cost >= 1 (above capacity
+    /// too), debt allowed. Returns the bucket's state after it.
+    fn charge(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<Decision> {
+        let now = self.now(py)?;
+        let decision = self.registry.charge(key.as_str()?, cost.0, now)?;
+        Ok(Decision::of(decision, self.degraded))
+    }
+
     /// Makes the key's bucket full again.
     fn reset(&self, key: Key<'_, '_>) -> PyResult<()> {
         Ok(self.registry.reset(key.as_str()?)?)
@@ -520,52 +601,66 @@ impl TokenBucketLimiter {
     }
 }
 
-/// Spends `cost` from every `(limiter, key)` only if all of them allow.
+/// Spends each check's cost from every `(limiter, key[, cost])` only if all
+/// of them allow.
 #[pyfunction]
 #[pyo3(signature = (checks, cost = Cost(1)), text_signature = "(checks, cost=1)")]
 pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyResult<Decision> {
-    let mut pairs: Vec<(Bound<'_, TokenBucketLimiter>, Bound<'_, PyAny>)> = Vec::new();
-    for item in checks.try_iter()? {
-        let item = item?;
-        let (limiter, key): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
-            item.extract().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "allow_all takes a sequence of (limiter, key) pairs, got {}",
-                    type_name(&item)
-                ))
-            })?;
-        let limiter = limiter.cast_into::<TokenBucketLimiter>().map_err(|e| {
-            PyTypeError::new_err(format!(
-                "allow_all takes TokenBucketLimiter instances here, got {}",
-                type_name(e.into_inner().as_any())
-            ))
-        })?;
-        pairs.push((limiter, key));
-    }
-    // Every clock is read before any lock is taken.
-    let keys = pairs
-        .iter()
-        .map(|(_, key)| Key::extract(key.as_borrowed()))
-        .collect::<PyResult<Vec<_>>>()?;
-    let mut resolved = Vec::with_capacity(pairs.len());
-    let mut degraded = false;
-    for ((limiter, _), key) in pairs.iter().zip(&keys) {
-        let limiter = limiter.get();
-        degraded |= limiter.degraded;
-        resolved.push((limiter, key.as_str()?, limiter.now(py)?));
-    }
-    let checks: Vec<Check<'_>> = resolved
-        .iter()
-        .map(|&(limiter, key, now)| Check {
-            registry: &limiter.registry,
-            key,
-            now,
-        })
-        .collect();
-    Ok(Decision::of(
-        registry::allow_all(&checks, cost.0)?,
-        degraded,
-    ))
+    let parsed = py_reserve::parse_checks(checks, cost.0, "allow_all")?;
+    let reservation = py_reserve::reserve_checks(py, &parsed, Some(0))?;
+    let decision = reservation.decision_of(py);
+    Ok(decision)
+}
+
+/// Reserves each check's cost from every bucket at once, all or nothing.
+#[pyfunction]
+#[pyo3(signature = (checks, cost = Cost(1), *, max_wait = None))]
+#[pyo3(text_signature = "(checks, cost=1, *, max_wait=None)")]
+pub fn reserve_all(
+    py: Python<'_>,
+    checks: &Bound<'_, PyAny>,
+    cost: Cost,
+    max_wait: Option<&Bound<'_, PyAny>>,
+) -> PyResult<py_reserve::Reservation> {
+    let max_wait = py_reserve::max_wait(max_wait, "max_wait")?;
+    let parsed = py_reserve::parse_checks(checks, cost.0, "reserve_all")?;
+    py_reserve::reserve_checks(py, &parsed, max_wait)
+}
+
+/// `reserve_all`, then blocks for the longest delay (or refuses at once).
+#[pyfunction]
+#[pyo3(signature = (checks, cost = Cost(1), *, timeout = None))]
+#[pyo3(text_signature = "(checks, cost=1, *, timeout=None)")]
+pub fn acquire_all(
+    py: Python<'_>,
+    checks: &Bound<'_, PyAny>,
+    cost: Cost,
+    timeout: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Py<Decision>> {
+    let timeout = py_reserve::max_wait(timeout, "timeout")?;
+    let parsed = py_reserve::parse_checks(checks, cost.0, "acquire_all")?;
+    let reservation = py_reserve::reserve_checks(py, &parsed, timeout)?;
+    py_reserve::wait(py, &reservation)
+}
+
+/// `acquire_all` for asyncio: a coroutine.
+#[pyfunction]
+#[pyo3(signature = (checks, cost = Cost(1), *, timeout = None))]
+#[pyo3(text_signature = "(checks, cost=1, *, timeout=None)")]
+pub fn acquire_all_async(
+    checks: &Bound<'_, PyAny>,
+    cost: Cost,
+    timeout: Option<&Bound<'_, PyAny>>,
+) -> PyResult<py_reserve::Acquiring> {
+    let max_wait = py_reserve::max_wait(timeout, "timeout")?;
+    let parsed = py_reserve::parse_checks(checks, cost.0, "acquire_all_async")?;
+    Ok(py_reserve::Acquiring::new(py_reserve::Request::All {
+        checks: parsed
+            .into_iter()
+            .map(|(l, k, c)| (l.unbind(), k.unbind(), c))
+            .collect(),
+        max_wait,
+    }))
 }
 
 /// The exact integer configuration the Redis script uses:

@@ -15,7 +15,7 @@ use compact_str::CompactString;
 use hashbrown::{DefaultHashBuilder, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 
-use crate::bucket::{Bucket, Decision, Wait};
+use crate::bucket::{Bucket, Decision, Reserved, Wait};
 use crate::error::{check_key, Error};
 use crate::rate::Config;
 
@@ -315,12 +315,13 @@ pub struct Registry {
     table: Mutex<Table>,
 }
 
-/// One `(limiter, key)` of an [`allow_all`], with the time read from that
-/// limiter's clock.
+/// One `(limiter, key, cost)` of an [`allow_all`] or [`reserve_all`], with
+/// the time read from that limiter's clock.
 #[derive(Clone, Copy)]
 pub struct Check<'a> {
     pub registry: &'a Registry,
     pub key: &'a str,
+    pub cost: i128,
     pub now: i64,
 }
 
@@ -410,6 +411,99 @@ impl Registry {
         })
     }
 
+    /// Takes `cost` tokens now, going into debt if need be, and says how long
+    /// until they are the caller's (docs/design.md §4): refused, spending
+    /// nothing, when that wait would exceed `max_wait` (`None`: no limit) or
+    /// the debt its bound. With `max_wait = Some(0)` it answers as `allow`.
+    ///
+    /// # Errors
+    /// A bad key or cost; nothing changes then.
+    pub fn reserve(
+        &self,
+        key: &str,
+        cost: i128,
+        now: i64,
+        max_wait: Wait,
+    ) -> Result<Reserved, Error> {
+        let (hash, cost) = self.check(key, cost)?;
+        let config = &self.config;
+        let mut table = self.table.lock();
+        let now = table.observe(now);
+        let mut log_no_room = false;
+        let reserved = match table.slot(config, &self.hasher, self.max_keys, hash, key, now, true) {
+            Slot::Held(position) => {
+                let (reserved, after) = table.entries[position]
+                    .bucket
+                    .refilled(config, now)
+                    .reserve(config, cost, max_wait);
+                table.entries[position].bucket = after;
+                reserved
+            }
+            Slot::New => {
+                let (reserved, after) = Bucket::full(config, now).reserve(config, cost, max_wait);
+                if reserved.decision.allowed {
+                    table.insert(hash, key, after);
+                    table.refusing_new = false;
+                }
+                reserved
+            }
+            Slot::NoRoom(wait) => {
+                log_no_room = table.count_no_room();
+                Reserved {
+                    decision: no_room(config, wait),
+                    delay: wait,
+                }
+            }
+        };
+        table.count(reserved.decision.allowed);
+        table.sweep(config, &self.hasher);
+        drop(table);
+        if log_no_room {
+            self.log_no_room();
+        }
+        Ok(reserved)
+    }
+
+    /// Records `cost` tokens of use that already happened: any cost >= 1,
+    /// above capacity too, debt allowed down to its bound (docs/design.md §4).
+    /// A new key with no room under `max_keys` records nothing.
+    ///
+    /// # Errors
+    /// A bad key, or a cost below 1 or beyond u64; nothing changes then.
+    pub fn charge(&self, key: &str, cost: i128, now: i64) -> Result<Decision, Error> {
+        if cost < 1 {
+            return Err(Error::Cost(cost.to_string()));
+        }
+        let cost = u64::try_from(cost).map_err(|_| Error::OutOfRange {
+            what: "cost",
+            value: cost.to_string(),
+        })?;
+        check_key(key)?;
+        let hash = self.hasher.hash_one(key);
+        let config = &self.config;
+        let mut table = self.table.lock();
+        let now = table.observe(now);
+        let decision = match table.slot(config, &self.hasher, self.max_keys, hash, key, now, true) {
+            Slot::Held(position) => {
+                let (decision, after) = table.entries[position]
+                    .bucket
+                    .refilled(config, now)
+                    .charged(config, cost);
+                table.entries[position].bucket = after;
+                decision
+            }
+            Slot::New => {
+                let (decision, after) = Bucket::full(config, now).charged(config, cost);
+                table.insert(hash, key, after);
+                table.refusing_new = false;
+                decision
+            }
+            Slot::NoRoom(wait) => no_room(config, wait),
+        };
+        table.sweep(config, &self.hasher);
+        Ok(decision)
+    }
+
     /// Gives back `cost` tokens reserved earlier, never above capacity.
     ///
     /// # Errors
@@ -478,25 +572,35 @@ impl Registry {
     }
 }
 
-/// Checks every bucket first and spends `cost` from all of them only if all
-/// allow. Tables are locked in address order, so concurrent calls naming the
-/// same limiters in any order cannot deadlock.
+/// Checks every bucket first and spends each check's cost from all of them
+/// only if all allow: [`reserve_all`] with no wait.
+///
+/// # Errors
+/// As [`reserve_all`].
+pub fn allow_all(checks: &[Check<'_>]) -> Result<Decision, Error> {
+    reserve_all(checks, Some(0)).map(|reserved| reserved.decision)
+}
+
+/// Reserves each check's cost from every bucket at the same moment, all or
+/// nothing: granted only if every bucket grants within `max_wait`; the delay
+/// is the longest. Tables are locked in address order, so concurrent calls
+/// naming the same limiters in any order cannot deadlock.
 ///
 /// # Errors
 /// A bad key or cost, or the same (limiter, key) twice; nothing changes then.
 ///
 /// # Panics
 /// Never: every registry named in `checks` is locked before it is looked up.
-pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
+pub fn reserve_all(checks: &[Check<'_>], max_wait: Wait) -> Result<Reserved, Error> {
     if checks.is_empty() {
         return Err(Error::NoChecks);
     }
     let mut hashes = Vec::with_capacity(checks.len());
-    let mut spend = 0;
+    let mut costs = Vec::with_capacity(checks.len());
     for (i, check) in checks.iter().enumerate() {
-        let (hash, checked) = check.registry.check(check.key, cost)?;
+        let (hash, cost) = check.registry.check(check.key, check.cost)?;
         hashes.push(hash);
-        spend = checked;
+        costs.push(cost);
         if checks[..i]
             .iter()
             .any(|c| std::ptr::eq(c.registry, check.registry) && c.key == check.key)
@@ -504,7 +608,6 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
             return Err(Error::DuplicateCheck(check.key.to_owned()));
         }
     }
-    let cost = spend;
     let mut registries: Vec<&Registry> = checks.iter().map(|c| c.registry).collect();
     registries.sort_by_key(|r| std::ptr::from_ref(*r) as usize);
     registries.dedup_by_key(|r| std::ptr::from_ref(*r) as usize);
@@ -521,9 +624,10 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
     let mut log_no_room = Vec::new();
     let mut decisions = Vec::with_capacity(checks.len());
     let mut buckets = Vec::with_capacity(checks.len());
+    let mut delay: Wait = Some(0);
     // New keys of this call, per table: they count against max_keys too.
     let mut pending = vec![0; tables.len()];
-    for (check, &hash) in checks.iter().zip(&hashes) {
+    for ((check, &hash), &cost) in checks.iter().zip(&hashes).zip(&costs) {
         let registry = check.registry;
         let config = &registry.config;
         let index = table_of(registry);
@@ -542,10 +646,13 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
                 }
                 decisions.push(no_room(config, wait));
                 buckets.push(None);
+                delay = longest(delay, wait);
                 continue;
             }
         };
-        decisions.push(bucket.decide(config, cost).0);
+        let reserved = bucket.reserve(config, cost, max_wait).0;
+        delay = longest(delay, reserved.delay);
+        decisions.push(reserved.decision);
         buckets.push(Some(bucket));
     }
     let allowed = decisions.iter().all(|d| d.allowed);
@@ -558,7 +665,7 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
             }
         }
     }
-    for (check, &hash) in checks.iter().zip(&hashes) {
+    for ((check, &hash), &cost) in checks.iter().zip(&hashes).zip(&costs) {
         let registry = check.registry;
         let config = &registry.config;
         let table = &mut tables[table_of(registry)];
@@ -566,16 +673,17 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
         if !allowed {
             continue;
         }
-        // Found again: making room above may have moved entries.
+        // Found again: making room above may have moved entries. At the
+        // table's latest time the wait can only be shorter: still granted.
         let now = table.latest;
         if let Some(position) = table.find(hash, check.key) {
             let (_, after) = table.entries[position]
                 .bucket
                 .refilled(config, now)
-                .decide(config, cost);
+                .reserve(config, cost, None);
             table.entries[position].bucket = after;
         } else {
-            let (_, after) = Bucket::full(config, now).decide(config, cost);
+            let (_, after) = Bucket::full(config, now).reserve(config, cost, None);
             table.insert(hash, check.key, after);
             table.refusing_new = false;
         }
@@ -587,7 +695,15 @@ pub fn allow_all(checks: &[Check<'_>], cost: i128) -> Result<Decision, Error> {
     for registry in log_no_room {
         registry.log_no_room();
     }
-    Ok(combine(&decisions))
+    Ok(Reserved {
+        decision: combine(&decisions),
+        delay,
+    })
+}
+
+/// The longer of two waits; `None` (never) is the longest.
+fn longest(a: Wait, b: Wait) -> Wait {
+    Some(a?.max(b?))
 }
 
 /// One decision for several buckets: allowed if all allow; `retry_after` the
@@ -713,21 +829,20 @@ mod tests {
     fn allow_all_counts_its_own_new_keys_against_max_keys() {
         let r = registry(1, 0.0, Some(2));
         assert!(r.allow("a", 1, 0).unwrap().allowed);
-        let d = allow_all(
-            &[
-                Check {
-                    registry: &r,
-                    key: "b",
-                    now: 0,
-                },
-                Check {
-                    registry: &r,
-                    key: "c",
-                    now: 0,
-                },
-            ],
-            1,
-        )
+        let d = allow_all(&[
+            Check {
+                registry: &r,
+                key: "b",
+                cost: 1,
+                now: 0,
+            },
+            Check {
+                registry: &r,
+                key: "c",
+                cost: 1,
+                now: 0,
+            },
+        ])
         .unwrap();
         assert!(!d.allowed);
         assert_eq!(r.len(), 1);
@@ -737,29 +852,82 @@ mod tests {
     fn allow_all_spends_nothing_unless_all_allow() {
         let user = registry(2, 0.0, None);
         let global = registry(3, 0.0, None);
-        let checks = |key| {
+        let checks = |key, cost| {
             [
                 Check {
                     registry: &user,
                     key,
+                    cost,
                     now: 0,
                 },
                 Check {
                     registry: &global,
                     key: "all",
+                    cost,
                     now: 0,
                 },
             ]
         };
-        assert!(allow_all(&checks("u1"), 2).unwrap().allowed);
-        let d = allow_all(&checks("u2"), 2).unwrap();
+        assert!(allow_all(&checks("u1", 2)).unwrap().allowed);
+        let d = allow_all(&checks("u2", 2)).unwrap();
         assert!(!d.allowed);
         assert_eq!(d.remaining, 1);
         assert!(user.peek("u2", 2, 0).unwrap().allowed, "u2 was not charged");
-        assert!(allow_all(&checks("u2"), 1).unwrap().allowed);
+        assert!(allow_all(&checks("u2", 1)).unwrap().allowed);
         assert_eq!(
-            allow_all(&[checks("x")[0], checks("x")[0]], 1),
+            allow_all(&[checks("x", 1)[0], checks("x", 1)[0]]),
             Err(Error::DuplicateCheck("x".into()))
         );
+    }
+
+    #[test]
+    fn reserve_all_takes_per_bucket_costs_and_waits_for_the_longest() {
+        let rpm = registry(2, 1.0, None);
+        let tpm = registry(100, 10.0, None);
+        let checks = |requests, tokens| {
+            [
+                Check {
+                    registry: &rpm,
+                    key: "org",
+                    cost: requests,
+                    now: 0,
+                },
+                Check {
+                    registry: &tpm,
+                    key: "org",
+                    cost: tokens,
+                    now: 0,
+                },
+            ]
+        };
+        let r = reserve_all(&checks(1, 100), None).unwrap();
+        assert!(r.decision.allowed);
+        assert_eq!(r.delay, Some(0));
+        // The tokens bucket is empty: 50 tokens take 5 s, the request 0 s.
+        let r = reserve_all(&checks(1, 50), None).unwrap();
+        assert!(r.decision.allowed);
+        assert_eq!(r.delay, Some(5_000_000));
+        // Past max_wait: refused, and neither bucket is charged.
+        let r = reserve_all(&checks(1, 50), Some(1_000_000)).unwrap();
+        assert!(!r.decision.allowed);
+        assert_eq!(r.delay, Some(10_000_000));
+        assert_eq!(r.decision.retry_after, Some(9_000_000));
+        assert_eq!(rpm.peek("org", 1, 0).unwrap().retry_after, Some(1_000_000));
+        assert_eq!(tpm.peek("org", 1, 0).unwrap().retry_after, Some(5_100_000));
+    }
+
+    #[test]
+    fn a_bucket_in_debt_is_never_evicted_and_reset_fills_it() {
+        let r = registry(1, 1.0, Some(1));
+        assert_eq!(r.reserve("a", 1, 0, None).unwrap().delay, Some(0));
+        assert_eq!(r.reserve("a", 1, 0, None).unwrap().delay, Some(1_000_000));
+        // At 1.5 s "a" is still owed half a token: no room for "b".
+        assert!(!r.allow("b", 1, 1_500_000).unwrap().allowed);
+        assert_eq!(r.len(), 1);
+        r.reset("a").unwrap();
+        assert!(r.allow("a", 1, 1_500_000).unwrap().allowed);
+        let d = r.charge("a", 5, 1_500_000).unwrap();
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(5_000_000));
     }
 }

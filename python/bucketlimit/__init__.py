@@ -4,6 +4,8 @@
 >>> limiter = TokenBucketLimiter(capacity=10, rate=2)
 >>> bool(limiter.allow("user-42"))
 True
+>>> limiter.acquire("user-42", 9)    # waits (here: not at all) for its turn
+Decision(allowed=True, retry_after=0.0, remaining=0, reset_after=5.0, limit=10, degraded=False)
 """
 
 from __future__ import annotations
@@ -14,7 +16,17 @@ from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, SupportsIndex, overload
 
 from bucketlimit import _core
-from bucketlimit._core import MAX_KEY_BYTES, Decision, TokenBucketLimiter, __version__
+from bucketlimit._core import (
+    MAX_DEBT_CAPACITIES,
+    MAX_KEY_BYTES,
+    Decision,
+    Reservation,
+    TokenBucketLimiter,
+    __version__,
+    acquire_all,
+    acquire_all_async,
+    reserve_all,
+)
 from bucketlimit._errors import ConfigurationError
 from bucketlimit._stats import LimiterStats, RedisLimiterStats
 
@@ -27,21 +39,28 @@ if TYPE_CHECKING:
 logging.getLogger("bucketlimit").addHandler(logging.NullHandler())
 
 __all__ = [
+    "MAX_DEBT_CAPACITIES",
     "MAX_KEY_BYTES",
     "ConfigurationError",
     "Decision",
     "LimiterStats",
     "RedisLimiterStats",
+    "Reservation",
     "TokenBucketLimiter",
     "__version__",
+    "acquire_all",
+    "acquire_all_async",
     "allow_all",
+    "reserve_all",
 ]
+
+#: One check of ``allow_all`` and friends: ``(limiter, key)`` (charged the call's
+#: ``cost``) or ``(limiter, key, cost)``.
+Check = tuple[TokenBucketLimiter, str] | tuple[TokenBucketLimiter, str, SupportsIndex]
 
 
 @overload
-def allow_all(
-    checks: Iterable[tuple[TokenBucketLimiter, str]], cost: SupportsIndex = 1
-) -> Decision: ...
+def allow_all(checks: Iterable[Check], cost: SupportsIndex = 1) -> Decision: ...
 @overload
 def allow_all(
     checks: Iterable[tuple[RedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
@@ -50,8 +69,11 @@ def allow_all(
 def allow_all(
     checks: Iterable[tuple[AsyncRedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
 ) -> Coroutine[Any, Any, Decision]: ...
-def allow_all(checks: Iterable[tuple[Any, str]], cost: Any = 1) -> Any:
+def allow_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1) -> Any:
     """Spends ``cost`` from every (limiter, key) only if all of them allow.
+
+    A check may carry its own cost, ``(limiter, key, cost)``, so requests and
+    tokens go in one call: ``allow_all([(rpm, org, 1), (tpm, org, 3_500)])``.
 
     In-process limiters are checked under their locks in Rust; Redis limiters
     sharing one client run as one script (``bucketlimit.redis``); for asyncio

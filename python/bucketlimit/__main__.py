@@ -118,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", metavar="FILE.png", default=None, help="also draw a PNG (needs matplotlib)"
     )
     sim.add_argument("--ascii", action="store_true", help="draw the chart with ASCII only")
+    sim.add_argument(
+        "--acquire",
+        action="store_true",
+        help="pace the same traffic instead of refusing it: each request reserves and "
+        "waits for its tokens; reports the waits and checks the bound",
+    )
+    sim.add_argument(
+        "--max-wait",
+        type=float,
+        default=None,
+        help="with --acquire: the longest a request waits; longer is refused (default: none)",
+    )
 
     bench = commands.add_parser(
         "bench",
@@ -152,7 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         shared=args.shared,
         replay=args.replay,
         compare=args.compare,
+        acquire=args.acquire,
+        max_wait=args.max_wait,
     )
+    if args.max_wait is not None and not args.acquire:
+        parser.error("--max-wait needs --acquire")
     try:
         simulate(
             settings,

@@ -1,24 +1,34 @@
 """The native core of bucketlimit (Rust, PyO3). Hand-written stubs, checked by stubtest."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from typing import Any, SupportsIndex, final
 
 from bucketlimit._stats import LimiterStats
 
 __all__ = [
+    "MAX_DEBT_CAPACITIES",
     "MAX_KEY_BYTES",
+    "Acquiring",
     "Decision",
+    "Reservation",
     "TokenBucketLimiter",
     "__version__",
+    "acquire_all",
+    "acquire_all_async",
     "allow_all",
     "check_cost",
     "check_key",
     "clock_to_micros",
     "exact_units",
+    "reserve_all",
 ]
 
+MAX_DEBT_CAPACITIES: int
 MAX_KEY_BYTES: int
 __version__: str
+
+#: One check: ``(limiter, key)`` charged the call's cost, or ``(limiter, key, cost)``.
+_Check = tuple[TokenBucketLimiter, str] | tuple[TokenBucketLimiter, str, SupportsIndex]
 
 @final
 class Decision:
@@ -95,6 +105,25 @@ class TokenBucketLimiter:
         """What ``allow`` would answer now; changes no state at all."""
     def refund(self, key: str, cost: SupportsIndex) -> None:
         """Gives back ``cost`` tokens reserved but not used; never above capacity."""
+    def reserve(
+        self, key: str, cost: SupportsIndex = 1, *, max_wait: float | None = None
+    ) -> Reservation:
+        """Takes ``cost`` tokens now, in debt if need be; ``delay`` says when they are yours.
+
+        Refused at once, spending nothing, when the wait would exceed ``max_wait``
+        seconds (``None``: no limit but the debt bound).
+        """
+    def acquire(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> Decision:
+        """Blocks (GIL released) until the tokens are yours, or refuses at once when
+        the wait would exceed ``timeout`` seconds."""
+    def acquire_async(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> Acquiring:
+        """``acquire`` for asyncio (a coroutine); a cancelled waiter gives its tokens back."""
+    def charge(self, key: str, cost: SupportsIndex) -> Decision:
+        """Records use that already happened: any cost >= 1, debt allowed."""
     def reset(self, key: str) -> None:
         """Makes the key's bucket full again."""
     def clear(self) -> None:
@@ -112,10 +141,68 @@ class TokenBucketLimiter:
     @property
     def max_keys(self) -> int | None: ...
 
-def allow_all(
-    checks: Iterable[tuple[TokenBucketLimiter, str]], cost: SupportsIndex = 1
+@final
+class Reservation:
+    """Tokens taken from one or more buckets; truthy when granted.
+
+    Use them after ``delay`` seconds; ``cancel()`` gives them back, ``settle(used)``
+    turns the estimate into the actual use.
+    """
+
+    @property
+    def delay(self) -> float:
+        """Seconds until the tokens are yours (0.0: now); for a refusal, the wait it
+        would have needed (``math.inf`` when never)."""
+    @property
+    def cost(self) -> int:
+        """The tokens reserved (of the first bucket, for ``reserve_all``)."""
+    @property
+    def key(self) -> str:
+        """The key (of the first bucket, for ``reserve_all``)."""
+    @property
+    def checks(self) -> tuple[tuple[TokenBucketLimiter, str, int], ...]:
+        """Every bucket of the reservation: ``(limiter, key, cost)``."""
+    @property
+    def decision(self) -> Decision:
+        """The ``Decision`` to report: allowed, or refused with ``retry_after``."""
+    def __bool__(self) -> bool: ...
+    def cancel(self) -> None:
+        """Gives every token back (capped at capacity). Once; nothing for a refusal."""
+    def settle(self, used: SupportsIndex | Sequence[SupportsIndex]) -> None:
+        """The actual use: gives back ``cost - used``, or charges ``used - cost`` more.
+
+        One ``used`` for every bucket, or a sequence with one per bucket. Once.
+        """
+
+@final
+class Acquiring(Coroutine[Any, Any, Decision]):
+    """The coroutine of ``acquire_async`` and ``acquire_all_async``: ``await`` it, or
+    give it to ``asyncio.create_task`` / ``asyncio.wait_for``."""
+
+    def __await__(self) -> Generator[Any, None, Decision]: ...
+    def __iter__(self) -> Acquiring: ...
+    def __next__(self) -> Any: ...
+    def send(self, value: Any, /) -> Any: ...
+    def throw(self, error: Any, value: Any = None, traceback: Any = None, /) -> Any: ...
+    def close(self) -> None: ...
+
+def allow_all(checks: Iterable[_Check], cost: SupportsIndex = 1) -> Decision:
+    """Spends each check's cost from every bucket only if all of them allow."""
+
+def reserve_all(
+    checks: Iterable[_Check], cost: SupportsIndex = 1, *, max_wait: float | None = None
+) -> Reservation:
+    """Reserves from every bucket at once, all or nothing; the delay is the longest."""
+
+def acquire_all(
+    checks: Iterable[_Check], cost: SupportsIndex = 1, *, timeout: float | None = None
 ) -> Decision:
-    """Spends ``cost`` from every (limiter, key) only if all of them allow."""
+    """``reserve_all``, then blocks for its delay; refused at once beyond ``timeout``."""
+
+def acquire_all_async(
+    checks: Iterable[_Check], cost: SupportsIndex = 1, *, timeout: float | None = None
+) -> Acquiring:
+    """``acquire_all`` for asyncio."""
 
 def exact_units(
     capacity: SupportsIndex, rate: float | SupportsIndex, *, per: float | SupportsIndex = 1

@@ -68,6 +68,8 @@ class Settings:
     shared: bool = False  # every client spends from one bucket (a global limit)
     replay: str | Path | None = None  # a CSV file of requests: time[,key[,cost]]
     compare: str | None = None  # "fixed-window": the same traffic through a fixed window
+    acquire: bool = False  # pace requests (reserve and wait) instead of refusing them
+    max_wait: float | None = None  # with acquire: the longest wait; None: no limit
 
 
 class Request(NamedTuple):
@@ -207,9 +209,17 @@ def simulate(
     text, ``json`` or ``csv`` (one row per request); ``plot`` also draws a PNG."""
     if output_format not in FORMATS:
         raise SimulationError(f"unknown format {output_format!r}: choose from {FORMATS}")
+    if settings.acquire and (output_format != "text" or plot is not None):
+        raise SimulationError("--acquire reports as text only (no --format or --plot)")
     draw = _plotter() if plot is not None else None  # a missing matplotlib fails first
     limiter, clock = _build(settings)
     traffic, duration_us = _traffic(settings, limiter)
+    if settings.acquire:
+        arrivals = [request.at for request in traffic.requests]
+        replay, paced = run_paced(limiter, clock, settings, arrivals, duration_us)
+        text = report(settings, limiter, traffic, replay, duration_us, ascii_only=ascii_only)
+        out.write(text + paced_report(settings, paced))
+        return replay
     record = _csv_writer(out) if output_format == "csv" else None
     replay = run(
         limiter,
@@ -245,6 +255,13 @@ def _build(settings: Settings) -> tuple[TokenBucketLimiter, ManualClock]:
         raise SimulationError(f"unknown pattern {settings.pattern!r}: choose from {PATTERNS}")
     if settings.compare is not None and settings.compare not in COMPARISONS:
         raise SimulationError(f"unknown comparison {settings.compare!r}: choose {COMPARISONS}")
+    if settings.acquire and (
+        settings.clients != 1 or settings.replay is not None or settings.compare is not None
+    ):
+        raise SimulationError(
+            "--acquire paces one client's traffic: it goes without --clients, --replay "
+            "and --compare"
+        )
     if not 1 <= settings.clients <= MAX_CLIENTS:
         raise SimulationError(f"clients must be 1 to {MAX_CLIENTS}, got {settings.clients!r}")
     clock = ManualClock()
@@ -1037,3 +1054,76 @@ def _requests(n: int) -> str:
 def _num(x: float) -> str:
     """A number as a person writes it: 2, 0.5, 1e-06."""
     return f"{x:.6g}"
+
+
+# -- --acquire: the same traffic paced instead of refused ---------------------------
+
+
+@dataclass
+class Paced:
+    """What waiting did: each admitted request's wait, and the bound check."""
+
+    waits_us: list[int] = field(default_factory=list)
+    refused: int = 0
+    # Every use time replayed through a fresh limiter of the same settings: all
+    # admitted means no window held more than capacity + rate/per*T.
+    within_bound: bool = True
+    # Uses after the end of the traffic (the queue drains after it).
+    last_use_us: int = 0
+
+
+def run_paced(
+    limiter: TokenBucketLimiter,
+    clock: ManualClock,
+    settings: Settings,
+    arrivals: list[int],
+    duration_us: int,
+) -> tuple[Replay, Paced]:
+    """Each arrival reserves (as ``acquire`` does) and uses its tokens after its delay."""
+    replay, paced = Replay(offered=len(arrivals)), Paced()
+    uses: list[int] = []
+    for t in arrivals:
+        clock.set(t / 1e6)
+        reservation = limiter.reserve(KEY, settings.cost, max_wait=settings.max_wait)
+        at_bin = min(COLUMNS - 1, t * COLUMNS // duration_us)
+        if not reservation:
+            paced.refused += 1
+            replay.refused_per_bin[at_bin] += 1
+            continue
+        wait_us = clock_to_micros(reservation.delay)
+        paced.waits_us.append(wait_us)
+        uses.append(t + wait_us)
+        replay.admitted += 1
+        replay.admitted_per_bin[min(COLUMNS - 1, (t + wait_us) * COLUMNS // duration_us)] += 1
+    for b in range(COLUMNS):
+        clock.set(max(clock.now, bin_end(b, duration_us) / 1e6))
+        replay.level_per_bin[b] = limiter.peek(KEY).remaining
+    check_clock = ManualClock()
+    check = TokenBucketLimiter(settings.capacity, settings.rate, check_clock, per=settings.per)
+    for use in uses:  # FIFO: the use times come in order
+        check_clock.set(use / 1e6)
+        paced.within_bound &= bool(check.allow(KEY, settings.cost))
+    paced.last_use_us = max(uses, default=0)
+    return replay, paced
+
+
+def paced_report(settings: Settings, paced: Paced) -> str:
+    waits = sorted(paced.waits_us)
+
+    def quantile(q: float) -> str:
+        return _num(waits[min(len(waits) - 1, int(q * len(waits)))] / 1e6) if waits else "-"
+
+    limit = "no limit" if settings.max_wait is None else f"at most {_num(settings.max_wait)} s"
+    lines = [
+        "",
+        f"--acquire: each request reserved and waited for its tokens ({limit})",
+        f"waited:   {sum(1 for w in waits if w)} of {len(waits)} admitted; "
+        f"p50 {quantile(0.5)} s, p90 {quantile(0.9)} s, p99 {quantile(0.99)} s, "
+        f"max {quantile(1.0)} s",
+        f"refused:  {paced.refused} (their wait would pass max_wait or the debt bound; "
+        "they spent nothing)",
+        f"last use: t={_num(paced.last_use_us / 1e6)} s",
+        "bound:    every use replayed at its time through a fresh limiter: "
+        + ("all admitted, never above capacity + rate/per*T" if paced.within_bound else "EXCEEDED"),
+    ]
+    return "\n".join(lines) + "\n"

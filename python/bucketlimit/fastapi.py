@@ -153,6 +153,9 @@ class Limit(LimitSettings[Request]):
       never refuse.
     - ``exempt``: a predicate of the request; true means no limit, no charge, no
       fields.
+    - ``max_wait``: seconds a request that would be refused may wait for its tokens
+      instead (awaited: ``acquire_async`` on the limiter's clock); 0, the default,
+      refuses at once. A wait longer than that is refused at once, spending nothing.
 
     As a dependency it returns the request's :class:`AsyncReservation`. When
     several limits apply to a request and one refuses, the others' charges are

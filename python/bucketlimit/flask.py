@@ -128,6 +128,9 @@ class Limit(LimitSettings[Request]):
       never refuse.
     - ``exempt``: a predicate of the request; true means no limit, no charge, no
       fields.
+    - ``max_wait``: seconds a request that would be refused may wait for its tokens
+      instead (the worker sleeps, on the limiter's clock); 0, the default, refuses
+      at once. A wait longer than that is refused at once, spending nothing.
 
     When several limits apply to a request and one refuses, the others' charges
     are refunded: the request did not run.

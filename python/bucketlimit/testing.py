@@ -9,10 +9,16 @@ installed every test can ask for ``manual_clock``::
         assert not limiter.allow("k")
         manual_clock.advance(1)
         assert limiter.allow("k")
+
+Waiting runs on it too: a limiter built with a ``ManualClock`` waits with the
+clock's :meth:`ManualClock.sleep` (``acquire``) and :meth:`ManualClock.sleep_async`
+(``acquire_async``), which advance the clock instead of sleeping, so tests of
+code that waits for tokens never sleep either.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 
@@ -67,6 +73,20 @@ class ManualClock:
                     f"a clock cannot go back: set({seconds!r}) while now is {self.now!r}"
                 )
             self._ns = target
+
+    def sleep(self, seconds: float) -> None:
+        """Waits ``seconds`` by advancing the clock at once, as if this caller had
+        slept alone; a limiter built with this clock waits with it (``acquire``).
+
+        A negative step is a ``ValueError``, as for :meth:`advance`.
+        """
+        self.advance(seconds)
+
+    async def sleep_async(self, seconds: float) -> None:
+        """The awaitable twin of :meth:`sleep` (``acquire_async`` awaits it): advances
+        the clock, then yields to the event loop once, as a real sleep would."""
+        self.advance(seconds)
+        await asyncio.sleep(0)
 
     def __repr__(self) -> str:
         return f"ManualClock(now={self.now!r})"

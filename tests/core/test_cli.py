@@ -298,3 +298,20 @@ def test_replay_counts_runs_and_instants() -> None:
     assert (replay.largest_instant, replay.largest_instant_at) == (10, 0)
     assert (replay.longest_run, replay.run_span) == (10, (0, 0))
     assert replay.level_per_bin[-1] == 10  # 5 s after the last burst: full again
+
+
+def test_simulate_acquire_paces_the_same_traffic(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 11: --acquire admits what it would refuse, after a wait, within the bound."""
+    args = ["simulate", "--capacity", "10", "--rate", "5", "--pattern", "burst"]
+    assert main([*args, "--duration", "10", "--acquire", "--ascii"]) == 0
+    out = capsys.readouterr().out
+    assert "waited:   90 of 100 admitted" in out
+    assert "refused:  0" in out
+    assert "all admitted, never above capacity + rate/per*T" in out
+    assert main([*args, "--duration", "10", "--acquire", "--max-wait", "1", "--ascii"]) == 0
+    out = capsys.readouterr().out
+    assert "max 1 s" in out
+    assert "refused:  0" not in out
+    with pytest.raises(SystemExit):
+        main([*args, "--duration", "10", "--max-wait", "1"])
+    assert "--max-wait needs --acquire" in capsys.readouterr().err

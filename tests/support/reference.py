@@ -16,6 +16,8 @@ from fractions import Fraction
 from typing import Protocol
 
 MICROS = 1_000_000
+#: DESIGN §4: a bucket owes at most this many capacities (the debt bound).
+DEBT_CAPACITIES = 1000
 
 
 class DecisionLike(Protocol):
@@ -144,7 +146,7 @@ class ReferenceLimiter:
         return Answer(
             allowed=allowed,
             retry_after=seconds(retry_after),
-            remaining=balance // self.unit,
+            remaining=max(0, balance) // self.unit,  # in debt: none
             reset_after=seconds(self.wait(self.full - balance)),
             limit=self.capacity,
         )
@@ -183,6 +185,56 @@ class ReferenceLimiter:
         now = self.observe(now)
         balance = self.balance_at(key, now)
         self.store(key, min(self.full, balance + cost * self.unit), now)
+
+    # -- reservations (DESIGN §4): the balance may go below zero -------------
+
+    @property
+    def floor(self) -> int:
+        """The lowest balance: ``-DEBT_CAPACITIES * capacity`` tokens."""
+        return -DEBT_CAPACITIES * self.full
+
+    def reserve_from(
+        self, balance: int, cost: int, max_wait: int | None
+    ) -> tuple[Answer, int | None, int]:
+        """A reservation from ``balance``: (answer, delay in µs or None, balance after)."""
+        after = balance - cost * self.unit
+        if after >= 0:
+            return self.describe(after, True, 0), 0, after
+        if self.p == 0:
+            return self.describe(balance, False, None), None, balance
+        delay = ceil_div(-after, self.p)
+        # Past the bound or past max_wait: refused until both are met.
+        over_bound = ceil_div(max(0, self.floor - after), self.p)
+        over_wait = 0 if max_wait is None else max(0, delay - max_wait)
+        refused_for = max(over_bound, over_wait)
+        if refused_for == 0:
+            return self.describe(after, True, 0), delay, after
+        return self.describe(balance, False, refused_for), delay, balance
+
+    def reserve(
+        self, key: str, cost: int, now: int, max_wait: int | None
+    ) -> tuple[Answer, int | None]:
+        """``reserve(key, cost, max_wait=...)`` with ``max_wait`` in µs (None: no limit)."""
+        self.check_cost(cost)
+        now = self.observe(now)
+        answer, delay, balance = self.reserve_from(self.balance_at(key, now), cost, max_wait)
+        self.store(key, balance, now)
+        if answer.allowed:
+            self.allowed += 1
+        else:
+            self.refused += 1
+        return answer, delay
+
+    def charge(self, key: str, cost: int, now: int) -> Answer:
+        """Use that happened: debt allowed, down to the bound, where it stops."""
+        if cost < 1:
+            raise ValueError(f"cost {cost} below 1")
+        now = self.observe(now)
+        after = max(self.floor, self.balance_at(key, now) - cost * self.unit)
+        self.store(key, after, now)
+        if after >= 0:
+            return self.describe(after, True, 0)
+        return self.describe(after, False, self.wait(-after))
 
     def reset(self, key: str) -> None:
         self.buckets.pop(key, None)
@@ -244,3 +296,55 @@ def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) ->
         reset_after=tightest.reset_after,
         limit=tightest.limit,
     )
+
+
+def reserve_all(
+    checks: Sequence[tuple[ReferenceLimiter, str, int, int]], max_wait: int | None
+) -> tuple[Answer, int | None]:
+    """DESIGN §2's ``reserve_all``: ``(limiter, key, cost, reading µs)`` checks, all or
+    nothing; the delay is the longest (None: never)."""
+    seen: list[tuple[ReferenceLimiter, str]] = []
+    for limiter, key, cost, _ in checks:
+        limiter.check_cost(cost)
+        if any(other is limiter and other_key == key for other, other_key in seen):
+            raise ValueError(f"duplicate (limiter, key): {key!r}")
+        seen.append((limiter, key))
+    if not checks:
+        raise ValueError("reserve_all needs at least one (limiter, key)")
+    answers: list[Answer] = []
+    balances: list[int] = []
+    delay: int | None = 0
+    for limiter, key, cost, reading in checks:
+        now = limiter.observe(reading)
+        balance = limiter.balance_at(key, now)
+        balances.append(balance)
+        answer, own_delay, _ = limiter.reserve_from(balance, cost, max_wait)
+        answers.append(answer)
+        delay = None if delay is None or own_delay is None else max(delay, own_delay)
+    allowed = all(a.allowed for a in answers)
+    for limiter, key, cost, _ in checks:
+        if allowed:
+            limiter.allowed += 1
+            assert limiter.time is not None
+            now = limiter.time
+            limiter.store(key, limiter.balance_at(key, now) - cost * limiter.unit, now)
+        else:
+            limiter.refused += 1
+    if not allowed:
+        answers = [
+            limiter.describe(balance, True, 0) if answer.allowed else answer
+            for (limiter, _, _, _), balance, answer in zip(checks, balances, answers, strict=True)
+        ]
+    tightest = answers[0]
+    for answer in answers[1:]:
+        if answer.remaining < tightest.remaining:
+            tightest = answer
+    retry_after = max((a.retry_after for a in answers if not a.allowed), default=0.0)
+    combined = Answer(
+        allowed=allowed,
+        retry_after=retry_after,
+        remaining=tightest.remaining,
+        reset_after=tightest.reset_after,
+        limit=tightest.limit,
+    )
+    return combined, delay

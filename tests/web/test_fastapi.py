@@ -7,6 +7,7 @@ takes the peer address as ``client=``.)
 
 # No `from __future__ import annotations`: FastAPI must see the Annotated[...,
 # Depends(limit)] of routes defined inside tests, whose limits are local variables.
+import asyncio
 import json
 import logging
 import math
@@ -653,3 +654,50 @@ async def test_the_example_app(monkeypatch: pytest.MonkeyPatch) -> None:
     refused = await call(app, path="/hello")
     assert refused.status_code == 429
     assert refused.json() == {"error": "rate limited", "retry_after": None}
+
+
+# -- waiting for tokens (issue 11) ------------------------------------------------------------
+
+
+async def test_max_wait_makes_a_request_wait_for_its_tokens(manual_clock: ManualClock) -> None:
+    limiter = TokenBucketLimiter(2, 1, clock=manual_clock)
+    app = make_app(Limit(limiter, max_wait=1.5))
+    assert [(await call(app)).status_code for _ in range(2)] == [200, 200]
+    # The third waits 1 s, awaited on the limiter's clock (ManualClock.sleep_async).
+    assert (await call(app)).status_code == 200
+    assert manual_clock.now == 1.0
+    limiter.reserve(PEER, 1)
+    refused = await call(app)
+    assert refused.status_code == 429
+    assert manual_clock.now == 1.0
+    assert refused.headers["Retry-After"] == "1"
+
+
+async def test_max_wait_in_the_middleware_with_real_sleeps() -> None:
+    """The real clock: waiting requests sleep with asyncio.sleep, none refused."""
+    limiter = TokenBucketLimiter(1, 200)
+    app = FastAPI()
+    app.add_middleware(RateLimitMiddleware, limit=Limit(limiter, max_wait=1))
+
+    @app.get("/hello")
+    async def hello() -> dict[str, str]:
+        return {"hello": "world"}
+
+    answers = await asyncio.gather(*(call(app) for _ in range(10)))
+    assert [a.status_code for a in answers] == [200] * 10
+
+
+async def test_a_cancelled_waiting_request_gives_its_tokens_back(
+    manual_clock: ManualClock,
+) -> None:
+    frozen = TokenBucketLimiter(1, 1, clock=lambda: manual_clock())  # waits with asyncio.sleep
+    limit = Limit(frozen, max_wait=30)
+    app = make_app(limit)
+    assert (await call(app)).status_code == 200
+    waiting = asyncio.create_task(call(app))
+    await asyncio.sleep(0.05)
+    assert frozen.peek(PEER).retry_after == 2.0  # the waiter holds its token
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert frozen.peek(PEER).retry_after == 1.0

@@ -464,3 +464,47 @@ def test_the_example_app(monkeypatch: pytest.MonkeyPatch) -> None:
     refused = client.get("/hello")
     assert refused.status_code == 429
     assert refused.get_json() == {"error": "rate limited", "retry_after": None}
+
+
+# -- waiting for tokens (issue 11) ----------------------------------------------
+
+
+def test_max_wait_makes_a_request_wait_for_its_tokens(manual_clock: ManualClock) -> None:
+    limiter = TokenBucketLimiter(2, 1, clock=manual_clock)
+    app = make_app(Limit(limiter, max_wait=1.5))
+    assert [get(app).status_code for _ in range(2)] == [200, 200]
+    assert manual_clock.now == 0.0
+    # The third would be refused: it waits 1 s on the limiter's clock instead.
+    assert get(app).status_code == 200
+    assert manual_clock.now == 1.0
+    # Two waiting would be 2.5 s: refused at once, nothing spent, no sleep.
+    limiter.reserve(PEER, 1)
+    refused = get(app)
+    assert refused.status_code == 429
+    assert manual_clock.now == 1.0
+    assert refused.headers["Retry-After"] == "1"  # until a wait of 1.5 s would do
+
+
+def test_max_wait_zero_refuses_as_before_and_bad_values_are_rejected(
+    manual_clock: ManualClock,
+) -> None:
+    app = make_app(Limit(TokenBucketLimiter(1, 1, clock=manual_clock)))
+    assert [get(app).status_code for _ in range(2)] == [200, 429]
+    with pytest.raises(ValueError, match="max_wait"):
+        Limit(TokenBucketLimiter(1, 1), max_wait=-1)
+    with pytest.raises(TypeError, match="max_wait"):
+        Limit(TokenBucketLimiter(1, 1), max_wait="1")  # type: ignore[arg-type]
+
+
+def test_settle_in_the_view_charges_the_overage(manual_clock: ManualClock) -> None:
+    limiter = TokenBucketLimiter(100, 10, clock=manual_clock)
+    app = Flask(__name__)
+
+    @app.get("/complete")
+    @Limit(limiter, cost=20, name="tokens")
+    def complete() -> dict[str, int]:
+        reservation("tokens").settle(50)  # the answer was longer than the estimate
+        return {"used": 50}
+
+    assert get(app, "/complete").status_code == 200
+    assert tokens(limiter, PEER) == 50

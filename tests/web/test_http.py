@@ -269,11 +269,24 @@ def test_reserve_then_settle_refunds_the_unused_part_once() -> None:
     assert tokens(limiter, "u") == 880
 
 
-def test_settle_never_charges_more_than_was_reserved() -> None:
+def test_settle_charges_the_overage() -> None:
+    """Issue 11: the use happened, so settle charges what ran over the estimate."""
     limiter = TokenBucketLimiter(100, 0)
     held = reserve(limiter, "u", 10)
     assert held.settle(25) == 0
-    assert tokens(limiter, "u") == 90
+    assert held.charged == 25
+    assert tokens(limiter, "u") == 75
+    assert held.settle(90) == 0  # settled already: nothing more is charged
+    assert tokens(limiter, "u") == 75
+
+
+def test_settle_overage_puts_the_bucket_in_debt_and_later_callers_wait() -> None:
+    clock = ManualClock()
+    limiter = TokenBucketLimiter(100, 10, clock=clock)
+    held = reserve(limiter, "u", 100)
+    held.settle(150)
+    assert not limiter.allow("u")
+    assert limiter.reserve("u", 10).delay == 6.0
 
 
 def test_cancel_refunds_everything() -> None:

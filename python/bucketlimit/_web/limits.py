@@ -55,6 +55,30 @@ if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
         name: str
         shadow: bool
         exempt: Callable[[R], Any] | None
+        max_wait: float
+
+
+class Waiting:
+    """A step that may wait for tokens: :func:`run` calls ``sync`` (the thread
+    sleeps), :func:`run_async` calls ``asynchronous`` and awaits it. Both wait on the
+    limiter's clock when it can (a ``ManualClock`` advances instead of sleeping)."""
+
+    __slots__ = ("asynchronous", "sync")
+
+    def __init__(self, sync: Callable[..., Any], asynchronous: Callable[..., Any]) -> None:
+        self.sync = sync
+        self.asynchronous = asynchronous
+
+    def __call__(self, *args: Any) -> Any:
+        return self.sync(*args)
+
+
+def _check_max_wait(max_wait: float) -> float:
+    if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)):
+        raise TypeError(f"max_wait must be a number of seconds, got {max_wait!r}")
+    if not max_wait >= 0:  # also NaN
+        raise ValueError(f"max_wait must be >= 0 seconds, got {max_wait!r}")
+    return max_wait
 
 
 def _check_name(name: str) -> str:
@@ -67,7 +91,8 @@ def _check_name(name: str) -> str:
 
 
 class LimitSettings(Generic[R]):
-    """One limit: limiter, key function, cost, policy name, shadow mode, exemption.
+    """One limit: limiter, key function, cost, policy name, shadow mode, exemption,
+    and how long a request may wait for its tokens (``max_wait``, 0: refuse at once).
 
     The adapters subclass it; everything here is framework-free.
     """
@@ -84,7 +109,11 @@ class LimitSettings(Generic[R]):
         name: str = "default",
         shadow: bool = False,
         exempt: Callable[[R], Any] | None = None,
+        max_wait: float = 0,
     ) -> None:
+        max_wait = _check_max_wait(max_wait)
+        if max_wait and not callable(getattr(limiter, "acquire", None)):
+            raise TypeError(f"max_wait needs a limiter that can wait (acquire()): {limiter!r}")
         for method in ("allow", "peek", "refund"):
             if not callable(getattr(limiter, method, None)):
                 raise TypeError(f"limiter has no {method}() method: {limiter!r}")
@@ -106,6 +135,7 @@ class LimitSettings(Generic[R]):
         self.name = _check_name(name)
         self.shadow = bool(shadow)
         self.exempt = exempt
+        self.max_wait = max_wait
         self.window = window_seconds(limiter.capacity, limiter.rate)
         self._lock = threading.Lock()
         self._shadow_refusals = 0
@@ -180,6 +210,8 @@ class LimitSettings(Generic[R]):
         limiter = self.limiter
         if self.can_never_pass(cost):
             decision = self.never((yield limiter.peek, (key, limiter.capacity)))
+        elif self.max_wait:  # wait for the tokens, or be refused at once (nothing spent)
+            decision = yield self.waiting(), (key, cost)
         else:
             decision = yield limiter.allow, (key, cost)
         held = hold(limiter, key, cost if decision.allowed else 0, decision)
@@ -189,6 +221,17 @@ class LimitSettings(Generic[R]):
         for other in limits.others(self):  # the request did not run: refund the others
             yield other.cancel, ()
         return held, True
+
+    def waiting(self) -> Waiting:
+        """The step that waits up to ``max_wait`` for the tokens: ``acquire`` for a
+        synchronous driver, ``acquire_async`` (when the limiter has it) for an async one."""
+        limiter: Any = self.limiter
+        timeout = self.max_wait
+        acquire_async = getattr(limiter, "acquire_async", limiter.acquire)
+        return Waiting(
+            lambda key, cost: limiter.acquire(key, cost, timeout=timeout),
+            lambda key, cost: acquire_async(key, cost, timeout=timeout),
+        )
 
     def refuses(self, decision: Decision, key: str, cost: int, where: str) -> bool:
         """Whether to answer 429: counts and logs a shadow limit's would-be refusal."""
@@ -268,22 +311,15 @@ class RequestLimits:
 async def run_async(procedure: Procedure[T]) -> T:
     """Drives a procedure for an asyncio framework: each step is called, and awaited
     when it answers with an awaitable (an ``async def`` key function, the asyncio
-    Redis limiter)."""
-    answer = None
-    while True:
-        try:
-            function, args = procedure.send(answer)
-        except StopIteration as done:
-            return cast(T, done.value)
-        answer = function(*args)
-        if inspect.isawaitable(answer):
-            answer = await answer
+    Redis limiter); a :class:`Waiting` step waits with its asynchronous twin."""
+    return await _drive(procedure, waits_async=True)
 
 
 def run(procedure: Procedure[T]) -> T:
-    """Drives a procedure for a synchronous framework: :func:`run_async` run to its
-    end at once, without an event loop (nothing it awaits there can suspend)."""
-    coroutine = run_async(procedure)
+    """Drives a procedure for a synchronous framework: the same loop run to its end at
+    once, without an event loop (nothing it awaits there can suspend); a
+    :class:`Waiting` step is called as it is (the thread sleeps)."""
+    coroutine = _drive(procedure, waits_async=False)
     try:
         coroutine.send(None)
     except StopIteration as done:
@@ -293,3 +329,17 @@ def run(procedure: Procedure[T]) -> T:
         "a key, cost or exempt function of a synchronous framework's limit waited on "
         "something asynchronous; use a plain function there"
     )
+
+
+async def _drive(procedure: Procedure[T], *, waits_async: bool) -> T:
+    answer = None
+    while True:
+        try:
+            function, args = procedure.send(answer)
+        except StopIteration as done:
+            return cast(T, done.value)
+        if waits_async and isinstance(function, Waiting):
+            function = function.asynchronous
+        answer = function(*args)
+        if inspect.isawaitable(answer):
+            answer = await answer

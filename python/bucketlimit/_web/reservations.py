@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from bucketlimit._core import Decision
 from bucketlimit._web.limiters import AnyLimiter, SyncLimiter
@@ -39,16 +39,20 @@ class _ReservationBase(Generic[L]):
         """True when the request may go on (exempt requests included)."""
         return self.decision is None or self.decision.allowed
 
-    def _take_refund(self, used: int) -> int:
-        """How many tokens to give back now; marks the reservation settled."""
+    def _take_difference(self, used: int) -> int:
+        """Tokens to give back (> 0) or charge more (< 0) now; marks it settled.
+
+        A refused or exempt reservation holds nothing and is charged nothing."""
         _check_used(used)
         with self._lock:
-            if self._settled:
+            if self._settled or self._limiter is None or not self.allowed:
+                self._settled = True
                 return 0
             self._settled = True
-            refund = max(0, self.charged - used)
-            self.charged = min(self.charged, used)
-            return refund
+            difference = self.charged - used
+            if difference > 0 or callable(getattr(self._limiter, "charge", None)):
+                self.charged = used
+            return difference
 
     def __repr__(self) -> str:
         return (
@@ -61,20 +65,26 @@ class Reservation(_ReservationBase[SyncLimiter]):
     """Tokens taken before a handler runs; ``settle`` gives back what it did not use.
 
     Made by :func:`reserve` and by the adapters. ``settle(used)`` refunds
-    ``charged - used`` once; later calls do nothing and return 0, so it is safe
-    in a ``finally`` or a callback that may run twice. It never charges more than
-    was reserved: ``used`` above the reservation refunds nothing. A refused or
-    exempt reservation holds nothing to give back.
+    ``charged - used`` once, and when ``used`` is larger charges the overage
+    (``limiter.charge``: the use happened, so the bucket may go into debt and
+    later callers wait for it); later calls do nothing and return 0, so it is safe
+    in a ``finally`` or a callback that may run twice. A limiter without
+    ``charge`` (the Redis ones, for now) keeps the reservation's charge. A refused
+    or exempt reservation holds nothing to give back and is charged nothing.
     """
 
     __slots__ = ()
 
     def settle(self, used: int) -> int:
-        """Keeps ``used`` tokens, refunds the rest; returns how many were refunded."""
-        refund = self._take_refund(used)
-        if refund and self._limiter is not None:
-            self._limiter.refund(self.key, refund)
-        return refund
+        """Keeps ``used`` tokens: refunds the rest or charges the overage; returns how
+        many were refunded (0 when charged more)."""
+        difference = self._take_difference(used)
+        limiter: Any = self._limiter
+        if difference > 0:
+            limiter.refund(self.key, difference)
+        elif difference < 0 and callable(getattr(limiter, "charge", None)):
+            limiter.charge(self.key, -difference)
+        return max(0, difference)
 
     def cancel(self) -> int:
         """Refunds everything (the request did not run); same as ``settle(0)``."""
@@ -91,13 +101,18 @@ class AsyncReservation(_ReservationBase[AnyLimiter]):
     __slots__ = ()
 
     async def settle(self, used: int) -> int:
-        """Keeps ``used`` tokens, refunds the rest; returns how many were refunded."""
-        refund = self._take_refund(used)
-        if refund and self._limiter is not None:
-            result = self._limiter.refund(self.key, refund)
-            if inspect.isawaitable(result):
-                await result
-        return refund
+        """Keeps ``used`` tokens: refunds the rest or charges the overage; returns how
+        many were refunded (0 when charged more)."""
+        difference = self._take_difference(used)
+        limiter: Any = self._limiter
+        result: Any = None
+        if difference > 0:
+            result = limiter.refund(self.key, difference)
+        elif difference < 0 and callable(getattr(limiter, "charge", None)):
+            result = limiter.charge(self.key, -difference)
+        if inspect.isawaitable(result):
+            await result
+        return max(0, difference)
 
     async def cancel(self) -> int:
         """Refunds everything (the request did not run); same as ``settle(0)``."""
@@ -115,6 +130,9 @@ def reserve(limiter: SyncLimiter, key: str, max_cost: int) -> Reservation:
     >>> r.settle(120)                         # it generated 120: 380 come back
     380
     >>> limiter.allow("user-1", 880).remaining   # 1000 - 120 were left
+    0
+    >>> over = reserve(TokenBucketLimiter(1000, 0), "user-2", 500)
+    >>> over.settle(700)                      # it generated 700: 200 more are charged
     0
     """
     decision = limiter.allow(key, max_cost)
