@@ -20,6 +20,7 @@ blocking calls and :class:`AsyncRedisTokenBucketLimiter` awaits.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any, SupportsIndex, TypeVar, cast
 
@@ -84,6 +85,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
 
     _clients = (redis.Redis, RedisCluster)
     _retry = Retry
+    _blocking_pool = redis.BlockingConnectionPool
     _other = "AsyncRedisTokenBucketLimiter for asyncio clients"
 
     def _drive(self, flow: Flow[T]) -> T:
@@ -92,12 +94,16 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
             name, args = next(flow)
             while True:
                 try:
-                    reply, error = getattr(self._client, name)(*args), None
+                    client = self._client if self._client is not None else self._connect()
+                    reply, error = getattr(client, name)(*args), None
                 except BaseException as e:  # the flow decides what a failure means
                     reply, error = None, e
                 name, args = resume(flow, reply, error)
         except StopIteration as done:
             return cast("T", done.value)
+
+    def _discard(self, client: SyncClient) -> None:
+        client.close()
 
     def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
@@ -133,15 +139,26 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
 
     _clients = (redis.asyncio.Redis, AsyncRedisCluster)
     _retry = AsyncRetry
+    _blocking_pool = redis.asyncio.BlockingConnectionPool
     _other = "RedisTokenBucketLimiter for blocking clients"
 
     async def _drive(self, flow: Flow[T]) -> T:
-        """Runs an operation: awaits each command it yields and hands it the outcome."""
+        """Runs an operation: awaits each command it yields and hands it the outcome.
+
+        An answer given without any command (a cached refusal, the policy while the
+        breaker skips the store) still yields to the event loop once, so a task
+        calling a degraded limiter in a loop cannot starve the other tasks.
+        """
         try:
             name, args = next(flow)
+        except StopIteration as done:
+            await asyncio.sleep(0)
+            return cast("T", done.value)
+        try:
             while True:
                 try:
-                    reply, error = await getattr(self._client, name)(*args), None
+                    client = self._client if self._client is not None else self._connect()
+                    reply, error = await getattr(client, name)(*args), None
                 except BaseException as e:  # CancelledError too: the flow counts it
                     reply, error = None, e
                 name, args = resume(flow, reply, error)

@@ -27,7 +27,15 @@ from redis.retry import Retry
 
 import bucketlimit
 from bucketlimit import Decision, TokenBucketLimiter
-from bucketlimit._redis.errors import CONFIG, CORRUPT, FAULT, OTHER, check_version, classify
+from bucketlimit._redis.errors import (
+    CONFIG,
+    CORRUPT,
+    EXHAUSTED,
+    FAULT,
+    OTHER,
+    check_version,
+    classify,
+)
 from bucketlimit._redis.errors import store_error as as_store_error
 from bucketlimit._redis.resilience import (
     REFUSAL_CACHE_MAX_AGE,
@@ -262,6 +270,12 @@ def test_wrongtype_and_the_scripts_corrupt_reply_are_corrupt_buckets() -> None:
         assert classify(error) == CORRUPT
 
 
+def chained(error: BaseException, cause: BaseException) -> BaseException:
+    """``error`` as redis-py raises it: ``raise error from cause``."""
+    error.__cause__ = cause
+    return error
+
+
 @pytest.mark.parametrize(
     ("error", "kind"),
     [
@@ -275,6 +289,17 @@ def test_wrongtype_and_the_scripts_corrupt_reply_are_corrupt_buckets() -> None:
         (redis.AuthenticationError("invalid"), CONFIG),
         (redis.exceptions.InvalidResponse("Protocol Error: H, b'TTP/1.1'"), CONFIG),
         (redis.exceptions.RedisClusterException("all keys must map to the same key slot"), CONFIG),
+        (
+            redis.exceptions.RedisClusterException("Cluster mode is not enabled on this node"),
+            CONFIG,
+        ),
+        # Issue 10: no cluster node answers, or the nodes reached do not cover the slots.
+        (chained(redis.exceptions.RedisClusterException("no node"), redis.TimeoutError()), FAULT),
+        (redis.exceptions.RedisClusterException("Redis Cluster cannot be connected. ..."), FAULT),
+        (redis.exceptions.RedisClusterException("All slots are not covered after ..."), FAULT),
+        # Issue 10: this process's connection pool is full; the store is fine.
+        (redis.exceptions.MaxConnectionsError("Too many connections"), EXHAUSTED),
+        (redis.ConnectionError("No connection available."), EXHAUSTED),
         (ValueError("a bug"), OTHER),
         (asyncio.CancelledError(), OTHER),
         (KeyboardInterrupt(), OTHER),

@@ -19,6 +19,7 @@ could charge twice.
 
 from __future__ import annotations
 
+import math
 import operator
 import threading
 import time
@@ -35,9 +36,8 @@ from typing import (
     cast,
 )
 
-from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from bucketlimit import _core
@@ -45,11 +45,13 @@ from bucketlimit._core import Decision
 from bucketlimit._redis.errors import (
     CONFIG,
     CORRUPT,
+    EXHAUSTED,
     FAULT,
     StoreUnavailableError,
     check_version,
     classify,
     configuration_error,
+    read_only,
     store_error,
 )
 from bucketlimit._redis.keys import Keys, check_one_slot
@@ -64,6 +66,7 @@ from bucketlimit._redis.resilience import (
     check_policy,
     check_processes,
     check_retry_interval,
+    fork_safe,
 )
 from bucketlimit._redis.script import (
     BUCKET_SCRIPT,
@@ -98,6 +101,22 @@ def resume(flow: Flow[Any], reply: Any, error: BaseException | None) -> Command:
 #: longer than this for its store is slower than having no limiter at all.
 DEFAULT_TIMEOUT: Final = 0.25
 
+#: The connections ``from_url``'s standalone client may open (redis-py's default
+#: pool size); a call finding them all busy waits up to ``timeout`` for one.
+DEFAULT_MAX_CONNECTIONS: Final = 100
+
+
+class LazyClient:
+    """The client ``from_url`` builds on first use: redis-py's sync ``RedisCluster``
+    asks a node for the slot map in its constructor, and nothing may be sent at
+    construction (docs/design.md §6)."""
+
+    __slots__ = ("build", "cluster")
+
+    def __init__(self, build: Callable[[], Any], *, cluster: bool) -> None:
+        self.build = build
+        self.cluster = cluster
+
 
 class Options(TypedDict, total=False):
     """The constructor's keyword arguments, for ``from_url``."""
@@ -117,6 +136,7 @@ class Call:
 
     __slots__ = (
         "args",
+        "breaker",
         "cache_hit",
         "checks",
         "cost",
@@ -150,6 +170,7 @@ class Call:
         self.args = args
         self.checks = checks
         self.gate = Gate.STORE
+        self.breaker: Breaker | None = None  # the breaker of the node asked (set by _run)
         self.started = 0.0  # time.monotonic() before sending, for the refusal cache
         # What happened, for stats(): commands sent, scripts re-sent after NOSCRIPT,
         # a store fault, an answer without the store, a refusal from the cache.
@@ -161,6 +182,7 @@ class Counters:
     """The numbers ``stats()`` reports; a lock, since many threads may share a limiter."""
 
     __slots__ = (
+        "__weakref__",
         "_lock",
         "allowed",
         "fallback_decisions",
@@ -175,6 +197,10 @@ class Counters:
         self._lock = threading.Lock()
         self.allowed = self.refused = self.store_calls = self.script_loads = 0
         self.store_errors = self.fallback_decisions = self.refusal_cache_hits = 0
+        fork_safe(self)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     def add(self, call: Call | None, allowed: bool | None) -> None:
         """What one call did (``None``: nothing sent through this limiter), and its
@@ -194,7 +220,7 @@ class Counters:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {name: getattr(self, name) for name in self.__slots__ if name != "_lock"}
+            return {name: getattr(self, name) for name in self.__slots__ if name[0] != "_"}
 
 
 class RedisLimiter(Generic[C]):
@@ -211,6 +237,7 @@ class RedisLimiter(Generic[C]):
     _script: ClassVar[Script] = BUCKET_SCRIPT
     _clients: ClassVar[tuple[type[Any], type[Any]]]
     _retry: ClassVar[type[Any]]
+    _blocking_pool: ClassVar[type[Any]]
     _other: ClassVar[str]
 
     def __init__(
@@ -228,7 +255,8 @@ class RedisLimiter(Generic[C]):
         retry_interval: float = 1.0,
         refusal_cache: bool = True,
     ) -> None:
-        if not isinstance(client, self._clients):
+        lazy: LazyClient | None = client if isinstance(client, LazyClient) else None
+        if lazy is None and not isinstance(client, self._clients):
             names = " or ".join(f"{c.__module__}.{c.__qualname__}" for c in self._clients)
             raise TypeError(f"client must be a {names} (use {self._other}), got {type(client)}")
         capacity, p, unit = _core.exact_units(capacity, rate, per=per)
@@ -244,7 +272,11 @@ class RedisLimiter(Generic[C]):
                 "of the Redis script: Lua numbers are doubles, exact only below 2**53, and "
                 f"capacity * units per token + units per microsecond = {capacity * unit + p}"
             )
-        self._client = client
+        # The client, or None until from_url's is built (_connect).
+        self._client: C | None = None if lazy is not None else client
+        self._lazy: LazyClient | None = lazy
+        self._cluster = lazy.cluster if lazy is not None else isinstance(client, self._clients[1])
+        self._client_lock = threading.Lock()
         self._capacity: int = capacity
         self._p: int = p
         self._unit: int = unit
@@ -271,11 +303,13 @@ class RedisLimiter(Generic[C]):
             retry_interval=self._retry_interval,
             clock=clock,
         )
-        self._breaker = Breaker(
-            self._retry_interval,
-            f"{type(self).__name__}(prefix={prefix!r})",
-            self._fallback.description,
-        )
+        # One breaker for a standalone store; on a cluster one per node (keyed by
+        # "host:port"), so that one shard's outage degrades only its keys. The
+        # shared one answers for a cluster whose slot map is not known yet.
+        self._name = f"{type(self).__name__}(prefix={prefix!r})"
+        self._breaker = Breaker(self._retry_interval, self._name, self._fallback.description)
+        self._node_breakers: dict[str, Breaker] = {}
+        fork_safe(self)
         # Only on the store's clock: an injected clock (a ManualClock) may jump ahead
         # of time.monotonic(), which the cache measures waits with.
         self._refusals = RefusalCache() if refusal_cache and clock is None else None
@@ -295,21 +329,75 @@ class RedisLimiter(Generic[C]):
         """A limiter on a new client for ``url``: ``timeout`` seconds to connect and
         to answer, and no command retries (a command that failed may have run: a
         resend could charge twice). ``cluster=True`` builds a Redis Cluster client.
-        ``options`` are the constructor's keyword arguments (``per``, ``prefix``, ...)."""
-        client_class = cls._clients[1] if cluster else cls._clients[0]
-        client = client_class.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=cls._retry(NoBackoff(), 0),
-        )
-        return cls(client, capacity, rate, clock, **options)
+        ``options`` are the constructor's keyword arguments (``per``, ``prefix``, ...).
+
+        The client is built on first use (the first call, or reading ``client``),
+        so nothing is sent here. A standalone client gets a blocking pool of
+        :data:`DEFAULT_MAX_CONNECTIONS`: a call finding every connection busy waits
+        up to ``timeout`` for one (docs/redis.md, "A full connection pool")."""
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise TypeError(f"timeout must be an int or float, got {type(timeout).__name__}")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be finite and > 0 (seconds), got {timeout!r}")
+        settings = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": cls._retry(NoBackoff(), 0),
+        }
+        if cluster:
+            cluster_class = cls._clients[1]
+
+            def build() -> Any:
+                return cluster_class.from_url(url, **settings)
+
+        else:
+            client_class, pool_class = cls._clients[0], cls._blocking_pool
+            # Built now (parsing the URL sends nothing): a bad URL fails here.
+            pool = pool_class.from_url(
+                url, max_connections=DEFAULT_MAX_CONNECTIONS, timeout=timeout, **settings
+            )
+
+            def build() -> Any:
+                return client_class.from_pool(pool)
+
+        lazy = LazyClient(build, cluster=cluster)
+        return cls(cast("C", lazy), capacity, rate, clock, **options)
 
     # -- read-only configuration -------------------------------------------------
 
     @property
     def client(self) -> C:
-        return self._client
+        """The client; ``from_url``'s is built by the first call or by reading this
+        (a sync cluster client then asks a node for the slot map, and raises the
+        client's error when none answers)."""
+        return self._connect()
+
+    def _connect(self) -> C:
+        """The client, built now if ``from_url`` has not built it yet. Two threads
+        may both build one: the first to finish keeps its own, the other closes its."""
+        client = self._client
+        if client is not None:
+            return client
+        assert self._lazy is not None
+        built = self._lazy.build()
+        with self._client_lock:
+            if self._client is None:
+                self._client = built
+                return cast("C", built)
+            client = self._client
+        self._discard(built)
+        return client
+
+    def _same_client(self) -> object:
+        """What allow_all compares: the client, or what will build it."""
+        return self._client if self._client is not None else self._lazy
+
+    def _discard(self, client: Any) -> None:
+        """Closes a client built by a thread that lost the race to build it (an
+        asyncio client opened no connection yet: nothing to close)."""
+
+    def _after_fork(self) -> None:
+        self._client_lock = threading.Lock()
 
     @property
     def capacity(self) -> int:
@@ -352,7 +440,8 @@ class RedisLimiter(Generic[C]):
         ``fallback_decisions`` (answers with ``degraded=True``), ``breaker_openings``
         (outages) and ``refusal_cache_hits`` (refusals answered without the store)."""
         stats = self._counters.snapshot()
-        stats["breaker_openings"] = self._breaker.openings
+        breakers = [self._breaker, *list(self._node_breakers.values())]
+        stats["breaker_openings"] = sum(breaker.openings for breaker in breakers)
         return stats
 
     def __repr__(self) -> str:
@@ -443,7 +532,8 @@ class RedisLimiter(Generic[C]):
             answer = self._cached(call)
             if answer is not None:
                 return answer
-            call.gate = self._breaker.admit()
+            call.breaker = breaker = self._breaker_for(call.keys[0])
+            call.gate = breaker.admit()
             if call.gate is Gate.SKIP:
                 answer = self._without_store(call, None)
                 return answer
@@ -456,6 +546,30 @@ class RedisLimiter(Generic[C]):
             return answer
         finally:
             self._count(call, answer)
+
+    def _breaker_for(self, key: bytes) -> Breaker:
+        """The breaker of the node serving ``key``: the one breaker of a standalone
+        store; on a cluster, the breaker of the primary the client's slot map names
+        (the shared one until the client knows the map)."""
+        client = self._client
+        if not self._cluster or client is None:
+            return self._breaker
+        try:
+            node = client.nodes_manager.slots_cache[key_slot(key)][0].name  # type: ignore[attr-defined]
+        except (LookupError, AttributeError, TypeError):
+            return self._breaker  # not known yet (or a client without the map)
+        breaker = self._node_breakers.get(node)
+        if breaker is None:
+            with self._client_lock:
+                breaker = self._node_breakers.get(node)
+                if breaker is None:
+                    breaker = Breaker(
+                        self._retry_interval,
+                        f"{self._name} node {node}",
+                        self._fallback.description,
+                    )
+                    self._node_breakers[node] = breaker
+        return breaker
 
     def _send(self, call: Call) -> Flow[Any]:
         """The call's command: its script by EVALSHA (the source after NOSCRIPT), or
@@ -494,10 +608,13 @@ class RedisLimiter(Generic[C]):
         return None
 
     def _answered(self, call: Call, reply: Any) -> Decision | None:
-        self._breaker.succeeded(call.gate)
+        assert call.breaker is not None
         if call.mode is Mode.REFUND or call.mode is Mode.RESET:
+            call.breaker.succeeded(call.gate)
             return None
         answer = decision(reply, self._capacity)
+        # Only a write proves a store that said READONLY writable again.
+        call.breaker.succeeded(call.gate, wrote=call.mode is Mode.ALLOW and answer.allowed)
         refusals = self._refusals
         if refusals is not None and call.checks is None:
             if not answer.allowed:
@@ -509,21 +626,28 @@ class RedisLimiter(Generic[C]):
     def _failed(self, call: Call, error: BaseException) -> Decision | None:
         """Answers a call whose command failed, or raises."""
         kind = classify(error)
+        breaker = call.breaker
+        assert breaker is not None
         if kind == FAULT:
             call.store_error = True
-            self._breaker.failed(call.gate, error)
+            breaker.failed(call.gate, error, read_only=read_only(error))
+            return self._without_store(call, error)
+        if kind == EXHAUSTED:
+            # This process has no free connection: the store is not down, so the
+            # breaker stays as it was; the policy answers this one call.
+            breaker.release(call.gate)
             return self._without_store(call, error)
         if kind == CORRUPT:
             # The store answered, so it works: no breaker; and never an allow.
             call.store_error = True
-            self._breaker.succeeded(call.gate)
+            breaker.succeeded(call.gate, wrote=False)
             if self._raises(call):
                 raise error
             if call.mode is Mode.REFUND or call.mode is Mode.RESET:
                 return None
             call.fallback = True
             return self._fallback.refusal()
-        self._breaker.release(call.gate)
+        breaker.release(call.gate)
         if kind == CONFIG:
             raise configuration_error(error) from error
         raise error
@@ -537,7 +661,8 @@ class RedisLimiter(Generic[C]):
         if self._raises(call):
             if error is not None:
                 raise error
-            raise StoreUnavailableError(self._breaker.describe())
+            assert call.breaker is not None
+            raise StoreUnavailableError(call.breaker.describe())
         if call.mode is Mode.REFUND:
             # Lost for the store, which keeps the charge: never more than the limit.
             self._fallback.refund(call.key, call.cost)
@@ -582,7 +707,7 @@ def allow_all_flow(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[An
             ) from None
         if not isinstance(limiter, RedisLimiter):
             raise TypeError(f"allow_all got {type(limiter).__name__} among Redis limiters")
-        if limiters and limiter._client is not limiters[0]._client:
+        if limiters and limiter._same_client() is not limiters[0]._same_client():
             raise ValueError(
                 "allow_all runs one script on one client: every Redis limiter in it "
                 "must share the same client object"
@@ -608,7 +733,7 @@ def allow_all_flow(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[An
     if not limiters:
         raise ValueError("allow_all needs at least one (limiter, key)")
     first = limiters[0]
-    if isinstance(first._client, (RedisCluster, AsyncRedisCluster)):
+    if first._cluster:
         check_one_slot(keys)
     call = Call(Mode.ALLOW, "", args[0], first._script, keys, args, checks=checks)
     return first, cast("Flow[Decision]", first._run(call))
