@@ -33,6 +33,7 @@ from bucketlimit._redis.errors import (
     EXHAUSTED,
     FAULT,
     OTHER,
+    REDIRECTED,
     check_version,
     classify,
 )
@@ -270,6 +271,17 @@ def test_wrongtype_and_the_scripts_corrupt_reply_are_corrupt_buckets() -> None:
         assert classify(error) == CORRUPT
 
 
+def raised_in(module: str, error: BaseException) -> BaseException:
+    """``error`` as raised by code of ``module`` (its traceback's innermost frame)."""
+    namespace: dict[str, Any] = {"__name__": module, "error": error}
+    exec("def fail():\n    raise error\n", namespace)
+    try:
+        namespace["fail"]()
+    except BaseException as e:
+        return e
+    raise AssertionError("unreachable")
+
+
 def chained(error: BaseException, cause: BaseException) -> BaseException:
     """``error`` as redis-py raises it: ``raise error from cause``."""
     error.__cause__ = cause
@@ -285,7 +297,6 @@ def chained(error: BaseException, cause: BaseException) -> BaseException:
         (TimeoutError(), FAULT),
         (asyncio.TimeoutError(), FAULT),
         (redis.exceptions.SlotNotCoveredError("no node"), FAULT),
-        (redis.exceptions.ClusterError("TTL exhausted."), FAULT),
         (redis.AuthenticationError("invalid"), CONFIG),
         (redis.exceptions.InvalidResponse("Protocol Error: H, b'TTP/1.1'"), CONFIG),
         (redis.exceptions.RedisClusterException("all keys must map to the same key slot"), CONFIG),
@@ -300,6 +311,11 @@ def chained(error: BaseException, cause: BaseException) -> BaseException:
         # Issue 10: this process's connection pool is full; the store is fine.
         (redis.exceptions.MaxConnectionsError("Too many connections"), EXHAUSTED),
         (redis.ConnectionError("No connection available."), EXHAUSTED),
+        # Issue 10 item 3: redis-py's asyncio cluster client during a slot migration.
+        (redis.exceptions.ClusterError("TTL exhausted."), REDIRECTED),
+        (redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"), FAULT),
+        (raised_in("redis.asyncio.connection", AttributeError("'NoneType' ...")), FAULT),
+        (raised_in("myapp", AttributeError("'NoneType' ...")), OTHER),
         (ValueError("a bug"), OTHER),
         (asyncio.CancelledError(), OTHER),
         (KeyboardInterrupt(), OTHER),

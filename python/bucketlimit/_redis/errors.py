@@ -15,6 +15,10 @@
   ``MaxConnectionsError``, or a blocking pool that found no free connection within
   its timeout): this process is busy, not the store down. The policy answers that
   one call (``degraded=True``) and the breaker stays as it was.
+- ``REDIRECTED``: a cluster client gave up after 16 ``MOVED``/``ASK``/``TRYAGAIN``
+  replies in a row (``ClusterError("TTL exhausted.")``), as redis-py's asyncio
+  cluster client can during a slot migration: every node answered, none ran the
+  script. Sent once more; if it storms again, answered like ``EXHAUSTED``.
 - ``OTHER``: not the store's doing (a bug, a cancellation): raised as it is.
 """
 
@@ -93,6 +97,10 @@ CORRUPT: Final = "corrupt"  # a bucket's key holds something else: refused, neve
 CONFIG: Final = "configuration"  # no retry will fix it: ConfigurationError
 OTHER: Final = "other"  # not the store's doing (a bug, a cancellation): raised as is
 EXHAUSTED: Final = "exhausted"  # the client's pool is full: the policy answers, no breaker
+REDIRECTED: Final = "redirected"  # a redirect storm: nothing ran; resent once, then as EXHAUSTED
+
+# What redis-py's cluster clients raise after RedisClusterRequestTTL redirections.
+_REDIRECT_STORM: Final = "TTL exhausted."
 
 # What redis-py's BlockingConnectionPool raises when no connection is free in time.
 _POOL_TIMEOUT: Final = "No connection available."
@@ -113,7 +121,7 @@ FAULT_ERRORS: Final = (
     RedisTimeoutError,
     ReadOnlyError,  # a replica after a failover
     OutOfMemoryError,  # OOM: maxmemory reached
-    ClusterError,  # CLUSTERDOWN, MASTERDOWN, redirections exhausted
+    ClusterError,  # CLUSTERDOWN, MASTERDOWN
     TryAgainError,  # TRYAGAIN: a slot being migrated
     SlotNotCoveredError,
     OSError,
@@ -129,6 +137,21 @@ CLUSTER_OUTAGES: Final = (
     "All slots are not covered",
     "startup_nodes could not agree",
 )
+
+
+def _raised_by_the_client(error: BaseException) -> bool:
+    """Whether the innermost frame of ``error``'s traceback is in the client library."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    return isinstance(module, str) and module.startswith(CLIENT_MODULES)
+
+
+#: The client libraries whose internal errors are theirs, not a bug of the caller.
+CLIENT_MODULES: Final = ("redis.",)
 
 
 def _caused_by_fault(error: BaseException) -> bool:
@@ -151,9 +174,15 @@ def classify(error: BaseException) -> str:
         type(error) is RedisConnectionError and str(error) == _POOL_TIMEOUT
     ):
         return EXHAUSTED
+    if type(error) is ClusterError and str(error) == _REDIRECT_STORM:
+        return REDIRECTED
     if isinstance(error, _CONFIG_ERRORS):
         return CONFIG
     if isinstance(error, FAULT_ERRORS):
+        return FAULT
+    if isinstance(error, AttributeError) and _raised_by_the_client(error):
+        # redis-py's asyncio cluster client closing a connection another task is
+        # using ("'NoneType' object has no attribute 'writelines'"): a lost connection.
         return FAULT
     if isinstance(error, RedisClusterException):
         # The cluster client found no node to ask (every node down or hung, slots

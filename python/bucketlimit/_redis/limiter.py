@@ -38,7 +38,7 @@ from typing import (
 
 from redis.backoff import NoBackoff
 from redis.crc import key_slot
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import ClusterError, NoPermissionError, NoScriptError, ResponseError
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
@@ -47,6 +47,7 @@ from bucketlimit._redis.errors import (
     CORRUPT,
     EXHAUSTED,
     FAULT,
+    REDIRECTED,
     StoreUnavailableError,
     check_version,
     classify,
@@ -339,13 +340,18 @@ class RedisLimiter(Generic[C]):
             raise TypeError(f"timeout must be an int or float, got {type(timeout).__name__}")
         if not 0 < timeout < math.inf:
             raise ValueError(f"timeout must be finite and > 0 (seconds), got {timeout!r}")
-        settings = {
+        settings: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
             "retry": cls._retry(NoBackoff(), 0),
         }
         if cluster:
             cluster_class = cls._clients[1]
+            # redis-py's asyncio cluster client closes every connection (those other
+            # tasks are using too) on each 5th MOVED by default: during a migration
+            # that lost replies of scripts that ran. With 0 a MOVED only updates the
+            # slot it names (docs/redis.md, "Resharding and failover").
+            settings["reinitialize_steps"] = 0
 
             def build() -> Any:
                 return cluster_class.from_url(url, **settings)
@@ -579,9 +585,18 @@ class RedisLimiter(Generic[C]):
         if call.mode is Mode.RESET:
             return (yield ("delete", tuple(keys)))
         script, args = call.script, call.args
+        evalsha = ("execute_command", ("EVALSHA", script.sha, len(keys), *keys, *args))
         try:
             try:
-                return (yield ("execute_command", ("EVALSHA", script.sha, len(keys), *keys, *args)))
+                try:
+                    return (yield evalsha)
+                except ClusterError as e:
+                    if classify(e) != REDIRECTED:
+                        raise
+                    # Every node answered MOVED, ASK or TRYAGAIN: the script did not
+                    # run, so sending it once more is safe (docs/design.md §6).
+                    call.sent += 1
+                    return (yield evalsha)
             except NoScriptError:
                 # The script did not run, so sending it whole is safe (and caches it).
                 call.sent += 1
@@ -632,9 +647,10 @@ class RedisLimiter(Generic[C]):
             call.store_error = True
             breaker.failed(call.gate, error, read_only=read_only(error))
             return self._without_store(call, error)
-        if kind == EXHAUSTED:
-            # This process has no free connection: the store is not down, so the
-            # breaker stays as it was; the policy answers this one call.
+        if kind in (EXHAUSTED, REDIRECTED):
+            # This process has no free connection, or its cluster client lost its
+            # way among redirections: the store is not down, so the breaker stays
+            # as it was; the policy answers this one call.
             breaker.release(call.gate)
             return self._without_store(call, error)
         if kind == CORRUPT:
