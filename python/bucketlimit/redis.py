@@ -44,6 +44,7 @@ from bucketlimit._redis.limiter import (
     allow_all_flow,
     resume,
 )
+from bucketlimit._redis.resilience import Policy
 from bucketlimit._redis.script import Script as _Script
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "AsyncRedisTokenBucketLimiter",
     "ConfigurationError",
     "CorruptBucketError",
+    "Policy",
     "RedisTokenBucketLimiter",
     "StoreUnavailableError",
     "_Script",

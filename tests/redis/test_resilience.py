@@ -48,6 +48,7 @@ from bucketlimit.redis import (
     AsyncRedisTokenBucketLimiter,
     ConfigurationError,
     CorruptBucketError,
+    Policy,
     RedisTokenBucketLimiter,
     StoreUnavailableError,
 )
@@ -380,6 +381,22 @@ def test_failure_settings_are_checked_like_the_core(dead: redis.Redis) -> None:
     )
 
 
+def test_a_misspelt_policy_is_refused_by_the_type_checker_and_at_run_time(
+    dead: redis.Redis,
+) -> None:
+    # Issue 15: on_store_error is a Literal. mypy --strict (make lint) reports an
+    # unused "type: ignore" if "locl" ever type-checks again.
+    with pytest.raises(ValueError, match="on_store_error must be one of"):
+        RedisTokenBucketLimiter(dead, 10, 1, on_store_error="locl")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="on_store_error must be one of"):
+        AsyncRedisTokenBucketLimiter.from_url(
+            "redis://127.0.0.1:1/0",
+            10,
+            1,
+            on_store_error="locl",  # type: ignore[arg-type]
+        )
+
+
 def test_construction_sends_nothing(dead: redis.Redis) -> None:
     """The store is asked at first use (or by check()), never by the constructor."""
     limiter = RedisTokenBucketLimiter(dead, 10, 1, on_store_error="raise")
@@ -508,7 +525,7 @@ def test_raise_lets_the_clients_error_through_then_skips_the_store(dead: redis.R
 def test_allow_all_without_the_store_combines_the_policies(dead: redis.Redis) -> None:
     clock = ManualClock()
 
-    def make(policy: str, capacity: int, prefix: str) -> RedisTokenBucketLimiter:
+    def make(policy: Policy, capacity: int, prefix: str) -> RedisTokenBucketLimiter:
         return RedisTokenBucketLimiter(
             dead, capacity, 0, clock, prefix=prefix, on_store_error=policy, processes=2
         )

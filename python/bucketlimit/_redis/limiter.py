@@ -63,6 +63,7 @@ from bucketlimit._redis.resilience import (
     Breaker,
     Fallback,
     Gate,
+    Policy,
     RefusalCache,
     check_policy,
     check_processes,
@@ -125,7 +126,7 @@ class Options(TypedDict, total=False):
     per: float | SupportsIndex
     prefix: str
     hash_tag: Callable[[str], str] | None
-    on_store_error: str
+    on_store_error: Policy
     processes: SupportsIndex
     retry_interval: float
     refusal_cache: bool
@@ -251,7 +252,7 @@ class RedisLimiter(Generic[C]):
         per: float | SupportsIndex = 1,
         prefix: str = "bucketlimit:",
         hash_tag: Callable[[str], str] | None = None,
-        on_store_error: str = LOCAL,
+        on_store_error: Policy = LOCAL,
         processes: SupportsIndex = 1,
         retry_interval: float = 1.0,
         refusal_cache: bool = True,
@@ -423,7 +424,7 @@ class RedisLimiter(Generic[C]):
         return self._keys.prefix.decode("utf-8")
 
     @property
-    def on_store_error(self) -> str:
+    def on_store_error(self) -> Policy:
         return self._policy
 
     @property

@@ -29,11 +29,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Final, Protocol
+from typing import Final, Literal, Protocol, cast
 
 from bucketlimit._core import Decision, TokenBucketLimiter
 
 logger = logging.getLogger("bucketlimit")
+
+#: An ``on_store_error`` policy, as a type: ``"locl"`` does not type-check.
+Policy = Literal["local", "open", "closed", "raise"]
 
 #: The ``on_store_error`` policies.
 LOCAL: Final = "local"
@@ -118,7 +121,7 @@ def check_retry_interval(retry_interval: object) -> float:
     return float(retry_interval)
 
 
-def check_policy(on_store_error: object) -> str:
+def check_policy(on_store_error: object) -> Policy:
     if not isinstance(on_store_error, str):
         raise TypeError(f"on_store_error must be a str, got {type(on_store_error).__name__}")
     if on_store_error not in POLICIES:
@@ -126,7 +129,7 @@ def check_policy(on_store_error: object) -> str:
             f"on_store_error must be one of {', '.join(map(repr, POLICIES))}, "
             f"got {on_store_error!r}"
         )
-    return on_store_error
+    return cast("Policy", on_store_error)
 
 
 class Gate(enum.Enum):
