@@ -20,6 +20,7 @@ blocking calls and :class:`AsyncRedisTokenBucketLimiter` awaits.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any, SupportsIndex
 
@@ -37,6 +38,7 @@ from bucketlimit._redis.errors import (
     StoreUnavailableError,
 )
 from bucketlimit._redis.limiter import DEFAULT_TIMEOUT, PENDING, Call, RedisLimiter, allow_all_call
+from bucketlimit._redis.resilience import Policy
 from bucketlimit._redis.script import ALLOW, PEEK, REFUND
 from bucketlimit._redis.script import Script as _Script
 
@@ -45,6 +47,7 @@ __all__ = [
     "AsyncRedisTokenBucketLimiter",
     "ConfigurationError",
     "CorruptBucketError",
+    "Policy",
     "RedisTokenBucketLimiter",
     "StoreUnavailableError",
     "_Script",
@@ -77,6 +80,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
 
     _clients = (redis.Redis, RedisCluster)
     _retry = Retry
+    _blocking_pool = redis.BlockingConnectionPool
     _other = "AsyncRedisTokenBucketLimiter for asyncio clients"
 
     def _drive(self, call: Call) -> Any:
@@ -84,12 +88,16 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         answer = self._start(call)
         while answer is PENDING:
             try:
-                reply = getattr(self._client, call.name)(*call.argv)
+                client = self._client if self._client is not None else self._connect()
+                reply = getattr(client, call.name)(*call.argv)
             except BaseException as error:  # the call decides what a failure means
                 answer = self._error(call, error)
             else:
                 answer = self._reply(call, reply)
         return answer
+
+    def _discard(self, client: SyncClient) -> None:
+        client.close()
 
     def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
@@ -127,14 +135,24 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
 
     _clients = (redis.asyncio.Redis, AsyncRedisCluster)
     _retry = AsyncRetry
+    _blocking_pool = redis.asyncio.BlockingConnectionPool
     _other = "RedisTokenBucketLimiter for blocking clients"
 
     async def _drive(self, call: Call) -> Any:
-        """Runs a call: awaits each command it waits on and hands it the outcome."""
+        """Runs a call: awaits each command it waits on and hands it the outcome.
+
+        An answer given without any command (a cached refusal, the policy while the
+        breaker skips the store) still yields to the event loop once, so a task
+        calling a degraded limiter in a loop cannot starve the other tasks.
+        """
         answer = self._start(call)
+        if answer is not PENDING:
+            await asyncio.sleep(0)
+            return answer
         while answer is PENDING:
             try:
-                reply = await getattr(self._client, call.name)(*call.argv)
+                client = self._client if self._client is not None else self._connect()
+                reply = await getattr(client, call.name)(*call.argv)
             except BaseException as error:  # CancelledError too: the call counts it
                 answer = self._error(call, error)
             else:

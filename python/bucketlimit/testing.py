@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
+import weakref
 
 __all__ = ["ManualClock", "manual_clock"]
 
@@ -42,11 +44,12 @@ class ManualClock:
     exactly (``advance(0.1)`` ten times is exactly one second).
     """
 
-    __slots__ = ("_lock", "_ns")
+    __slots__ = ("__weakref__", "_lock", "_ns")
 
     def __init__(self, start: float = 0.0) -> None:
         self._ns = _to_ns(start, "start")
         self._lock = threading.Lock()
+        _CLOCKS.add(self)
 
     def __call__(self) -> float:
         return self._ns / _NS
@@ -90,6 +93,20 @@ class ManualClock:
 
     def __repr__(self) -> str:
         return f"ManualClock(now={self.now!r})"
+
+
+# A lock held by another thread at fork() would stay held for ever in the child:
+# every clock gets a new one there.
+_CLOCKS: weakref.WeakSet[ManualClock] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for clock in list(_CLOCKS):
+        clock._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 try:

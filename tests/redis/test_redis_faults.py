@@ -38,6 +38,7 @@ from bucketlimit.redis import (
     AsyncRedisTokenBucketLimiter,
     ConfigurationError,
     CorruptBucketError,
+    Policy,
     RedisTokenBucketLimiter,
     StoreUnavailableError,
 )
@@ -46,7 +47,7 @@ from tests.support.tcp_proxy import TcpProxy
 
 MICROS = 1_000_000
 SPAWN = multiprocessing.get_context("spawn")
-POLICIES = ("local", "open", "closed", "raise")
+POLICIES: tuple[Policy, ...] = ("local", "open", "closed", "raise")
 
 
 def url_of(port: int) -> str:
@@ -394,7 +395,7 @@ def test_a_killed_server_under_each_policy_from_four_processes(
 
 @pytest.mark.parametrize("policy", ["local", "raise"])
 def test_a_lost_reply_charges_exactly_once(
-    redis_server_factory: ServerFactory, policy: str
+    redis_server_factory: ServerFactory, policy: Policy
 ) -> None:
     server = redis_server_factory.start()
     admin = server.client()
@@ -519,7 +520,7 @@ CORRUPTIONS: dict[str, Callable[[redis.Redis, str], object]] = {
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 @pytest.mark.parametrize("policy", ["local", "open", "closed"])
 def test_a_corrupt_bucket_is_never_admitted(
-    redis_client: redis.Redis, corruption: str, policy: str
+    redis_client: redis.Redis, corruption: str, policy: Policy
 ) -> None:
     """A store fault under every policy (even "open"), refused, counted; the store
     answered, so the breaker stays closed for the other keys."""

@@ -27,7 +27,16 @@ from redis.retry import Retry
 
 import bucketlimit
 from bucketlimit import Decision, TokenBucketLimiter
-from bucketlimit._redis.errors import CONFIG, CORRUPT, FAULT, OTHER, check_version, classify
+from bucketlimit._redis.errors import (
+    CONFIG,
+    CORRUPT,
+    EXHAUSTED,
+    FAULT,
+    OTHER,
+    REDIRECTED,
+    check_version,
+    classify,
+)
 from bucketlimit._redis.errors import store_error as as_store_error
 from bucketlimit._redis.resilience import (
     REFUSAL_CACHE_MAX_AGE,
@@ -39,6 +48,7 @@ from bucketlimit.redis import (
     AsyncRedisTokenBucketLimiter,
     ConfigurationError,
     CorruptBucketError,
+    Policy,
     RedisTokenBucketLimiter,
     StoreUnavailableError,
 )
@@ -262,6 +272,23 @@ def test_wrongtype_and_the_scripts_corrupt_reply_are_corrupt_buckets() -> None:
         assert classify(error) == CORRUPT
 
 
+def raised_in(module: str, error: BaseException) -> BaseException:
+    """``error`` as raised by code of ``module`` (its traceback's innermost frame)."""
+    namespace: dict[str, Any] = {"__name__": module, "error": error}
+    exec("def fail():\n    raise error\n", namespace)
+    try:
+        namespace["fail"]()
+    except BaseException as e:
+        return e
+    raise AssertionError("unreachable")
+
+
+def chained(error: BaseException, cause: BaseException) -> BaseException:
+    """``error`` as redis-py raises it: ``raise error from cause``."""
+    error.__cause__ = cause
+    return error
+
+
 @pytest.mark.parametrize(
     ("error", "kind"),
     [
@@ -271,10 +298,25 @@ def test_wrongtype_and_the_scripts_corrupt_reply_are_corrupt_buckets() -> None:
         (TimeoutError(), FAULT),
         (asyncio.TimeoutError(), FAULT),
         (redis.exceptions.SlotNotCoveredError("no node"), FAULT),
-        (redis.exceptions.ClusterError("TTL exhausted."), FAULT),
         (redis.AuthenticationError("invalid"), CONFIG),
         (redis.exceptions.InvalidResponse("Protocol Error: H, b'TTP/1.1'"), CONFIG),
         (redis.exceptions.RedisClusterException("all keys must map to the same key slot"), CONFIG),
+        (
+            redis.exceptions.RedisClusterException("Cluster mode is not enabled on this node"),
+            CONFIG,
+        ),
+        # Issue 10: no cluster node answers, or the nodes reached do not cover the slots.
+        (chained(redis.exceptions.RedisClusterException("no node"), redis.TimeoutError()), FAULT),
+        (redis.exceptions.RedisClusterException("Redis Cluster cannot be connected. ..."), FAULT),
+        (redis.exceptions.RedisClusterException("All slots are not covered after ..."), FAULT),
+        # Issue 10: this process's connection pool is full; the store is fine.
+        (redis.exceptions.MaxConnectionsError("Too many connections"), EXHAUSTED),
+        (redis.ConnectionError("No connection available."), EXHAUSTED),
+        # Issue 10 item 3: redis-py's asyncio cluster client during a slot migration.
+        (redis.exceptions.ClusterError("TTL exhausted."), REDIRECTED),
+        (redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"), FAULT),
+        (raised_in("redis.asyncio.connection", AttributeError("'NoneType' ...")), FAULT),
+        (raised_in("myapp", AttributeError("'NoneType' ...")), OTHER),
         (ValueError("a bug"), OTHER),
         (asyncio.CancelledError(), OTHER),
         (KeyboardInterrupt(), OTHER),
@@ -337,6 +379,22 @@ def test_failure_settings_are_checked_like_the_core(dead: redis.Redis) -> None:
         1,
         1.0,
     )
+
+
+def test_a_misspelt_policy_is_refused_by_the_type_checker_and_at_run_time(
+    dead: redis.Redis,
+) -> None:
+    # Issue 15: on_store_error is a Literal. mypy --strict (make lint) reports an
+    # unused "type: ignore" if "locl" ever type-checks again.
+    with pytest.raises(ValueError, match="on_store_error must be one of"):
+        RedisTokenBucketLimiter(dead, 10, 1, on_store_error="locl")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="on_store_error must be one of"):
+        AsyncRedisTokenBucketLimiter.from_url(
+            "redis://127.0.0.1:1/0",
+            10,
+            1,
+            on_store_error="locl",  # type: ignore[arg-type]
+        )
 
 
 def test_construction_sends_nothing(dead: redis.Redis) -> None:
@@ -467,7 +525,7 @@ def test_raise_lets_the_clients_error_through_then_skips_the_store(dead: redis.R
 def test_allow_all_without_the_store_combines_the_policies(dead: redis.Redis) -> None:
     clock = ManualClock()
 
-    def make(policy: str, capacity: int, prefix: str) -> RedisTokenBucketLimiter:
+    def make(policy: Policy, capacity: int, prefix: str) -> RedisTokenBucketLimiter:
         return RedisTokenBucketLimiter(
             dead, capacity, 0, clock, prefix=prefix, on_store_error=policy, processes=2
         )

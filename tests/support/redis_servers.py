@@ -255,6 +255,13 @@ class ServerFactory:
         self.servers.append(server)
         return server.start()
 
+    def cluster(self) -> RedisClusterNodes:
+        """A 3-primary Redis Cluster of this test's own (to stop, pause, reshard)."""
+        servers = [self.start(cluster=True) for _ in range(3)]
+        nodes = RedisClusterNodes(self.directory, servers)
+        nodes.start()
+        return nodes
+
     def stop_all(self) -> None:
         for server in self.servers:
             server.stop()
@@ -313,10 +320,17 @@ def command(client: redis.Redis, *args: str | int) -> Any:
 
 
 class RedisClusterNodes:
-    """Three primaries sharing the 16384 slots, no replicas."""
+    """Three primaries sharing the 16384 slots, no replicas.
 
-    def __init__(self, directory: Path):
-        self.servers = [RedisServer(directory / f"node-{i}", cluster=True) for i in range(3)]
+    Built by the session fixture, or by ``ServerFactory.cluster()`` for a test that
+    stops, pauses or reshards it (its servers are then the factory's, stopped at the
+    end of the test).
+    """
+
+    def __init__(self, directory: Path, servers: Sequence[RedisServer] | None = None):
+        if servers is None:
+            servers = [RedisServer(directory / f"node-{i}", cluster=True) for i in range(3)]
+        self.servers = list(servers)
 
     @property
     def url(self) -> str:
@@ -324,7 +338,8 @@ class RedisClusterNodes:
 
     def start(self) -> None:
         for server in self.servers:
-            _start(server)
+            if server.process is None:
+                _start(server)
         clients = [server.client() for server in self.servers]
         try:
             # Slots split as redis-cli --cluster create does, then every node meets the first.
@@ -372,6 +387,55 @@ class RedisClusterNodes:
     def stop(self) -> None:
         for server in self.servers:
             server.stop()
+
+    def pause(self) -> None:
+        """SIGSTOP on every node: the whole cluster hangs."""
+        for server in self.servers:
+            server.pause()
+
+    def resume(self) -> None:
+        for server in self.servers:
+            server.resume()
+
+    def owner(self, slot: int) -> RedisServer:
+        """The node serving ``slot`` (as the first node sees it)."""
+        client = self.servers[0].client()
+        try:
+            for start, end, primary, *_ in command(client, "CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    port = int(primary[1])
+                    return next(s for s in self.servers if s.port == port)
+        finally:
+            client.close()
+        raise LookupError(f"slot {slot} is not served")
+
+    def move_slot(self, slot: int, target: RedisServer, *, batch: int = 10) -> int:
+        """Migrates ``slot`` to ``target`` while clients keep using it, the way
+        ``redis-cli --cluster reshard`` does: IMPORTING/MIGRATING, MIGRATE in batches
+        (keys of the slot answer ASK meanwhile), then SETSLOT NODE everywhere.
+        Returns the number of keys moved."""
+        source = self.owner(slot)
+        if source is target:
+            return 0
+        src, dst = source.client(), target.client()
+        try:
+            src_id, dst_id = command(src, "CLUSTER", "MYID"), command(dst, "CLUSTER", "MYID")
+            command(dst, "CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+            command(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            moved = 0
+            while keys := command(src, "CLUSTER", "GETKEYSINSLOT", slot, batch):
+                command(src, "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+                moved += len(keys)
+            for server in self.servers:
+                client = server.client()
+                try:
+                    command(client, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+                finally:
+                    client.close()
+            return moved
+        finally:
+            src.close()
+            dst.close()
 
 
 def _cluster_ok(info: object) -> bool:

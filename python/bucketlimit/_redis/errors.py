@@ -11,6 +11,14 @@
 - ``CONFIG``: no retry will fix it (credentials, ACLs, a cluster behind a plain
   client, a server too old for the script): :class:`ConfigurationError`, whatever
   the policy, so a misconfigured limiter never silently fails open.
+- ``EXHAUSTED``: the client's own connection pool is full (redis-py's
+  ``MaxConnectionsError``, or a blocking pool that found no free connection within
+  its timeout): this process is busy, not the store down. The policy answers that
+  one call (``degraded=True``) and the breaker stays as it was.
+- ``REDIRECTED``: a cluster client gave up after 16 ``MOVED``/``ASK``/``TRYAGAIN``
+  replies in a row (``ClusterError("TTL exhausted.")``), as redis-py's asyncio
+  cluster client can during a slot migration: every node answered, none ran the
+  script. Sent once more; if it storms again, answered like ``EXHAUSTED``.
 - ``OTHER``: not the store's doing (a bug, a cancellation): raised as it is.
 """
 
@@ -29,6 +37,7 @@ from redis.exceptions import (
     ClusterError,
     ExternalAuthProviderError,
     InvalidResponse,
+    MaxConnectionsError,
     NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -87,6 +96,14 @@ FAULT: Final = "fault"  # the store is down, slow or cannot serve now: the polic
 CORRUPT: Final = "corrupt"  # a bucket's key holds something else: refused, never allowed
 CONFIG: Final = "configuration"  # no retry will fix it: ConfigurationError
 OTHER: Final = "other"  # not the store's doing (a bug, a cancellation): raised as is
+EXHAUSTED: Final = "exhausted"  # the client's pool is full: the policy answers, no breaker
+REDIRECTED: Final = "redirected"  # a redirect storm: nothing ran; resent once, then as EXHAUSTED
+
+# What redis-py's cluster clients raise after RedisClusterRequestTTL redirections.
+_REDIRECT_STORM: Final = "TTL exhausted."
+
+# What redis-py's BlockingConnectionPool raises when no connection is free in time.
+_POOL_TIMEOUT: Final = "No connection available."
 
 # Checked before FAULT_ERRORS: redis-py's authentication errors are ConnectionErrors.
 _CONFIG_ERRORS: Final = (
@@ -104,7 +121,7 @@ FAULT_ERRORS: Final = (
     RedisTimeoutError,
     ReadOnlyError,  # a replica after a failover
     OutOfMemoryError,  # OOM: maxmemory reached
-    ClusterError,  # CLUSTERDOWN, MASTERDOWN, redirections exhausted
+    ClusterError,  # CLUSTERDOWN, MASTERDOWN
     TryAgainError,  # TRYAGAIN: a slot being migrated
     SlotNotCoveredError,
     OSError,
@@ -113,18 +130,66 @@ FAULT_ERRORS: Final = (
 # Error replies redis-py has no class for, by their first word.
 FAULT_REPLIES: Final = ("BUSY ", "LOADING ", "MISCONF ", "NOREPLICAS ", "MASTERDOWN ")
 _TOO_OLD_REPLIES: Final = ("unknown command", "unknown subcommand")
+# What redis-py's cluster clients say, as a RedisClusterException, when no node
+# answers or the nodes they reached do not cover the slots: the store is down.
+CLUSTER_OUTAGES: Final = (
+    "Redis Cluster cannot be connected",
+    "All slots are not covered",
+    "startup_nodes could not agree",
+)
+
+
+def _raised_by_the_client(error: BaseException) -> bool:
+    """Whether the innermost frame of ``error``'s traceback is in the client library."""
+    tb = error.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "")
+    return isinstance(module, str) and module.startswith(CLIENT_MODULES)
+
+
+#: The client libraries whose internal errors are theirs, not a bug of the caller.
+CLIENT_MODULES: Final = ("redis.",)
+
+
+def _caused_by_fault(error: BaseException) -> bool:
+    """Whether ``error`` was raised while handling a store fault (its cause chain)."""
+    seen: set[int] = set()
+    cause = error.__cause__ or error.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, FAULT_ERRORS) and not isinstance(cause, _CONFIG_ERRORS):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def classify(error: BaseException) -> str:
     """Whether ``error`` is a store fault, a corrupt bucket, a configuration error or other."""
     if isinstance(error, CorruptBucketError):
         return CORRUPT
+    if isinstance(error, MaxConnectionsError) or (
+        type(error) is RedisConnectionError and str(error) == _POOL_TIMEOUT
+    ):
+        return EXHAUSTED
+    if type(error) is ClusterError and str(error) == _REDIRECT_STORM:
+        return REDIRECTED
     if isinstance(error, _CONFIG_ERRORS):
         return CONFIG
     if isinstance(error, FAULT_ERRORS):
         return FAULT
+    if isinstance(error, AttributeError) and _raised_by_the_client(error):
+        # redis-py's asyncio cluster client closing a connection another task is
+        # using ("'NoneType' object has no attribute 'writelines'"): a lost connection.
+        return FAULT
     if isinstance(error, RedisClusterException):
-        return CONFIG  # the cluster client refused the command before sending it
+        # The cluster client found no node to ask (every node down or hung, slots
+        # uncovered): an outage. Anything else it refuses before sending is a mistake.
+        if _caused_by_fault(error) or str(error).startswith(CLUSTER_OUTAGES):
+            return FAULT
+        return CONFIG
     if isinstance(error, ResponseError):
         reply = str(error)
         if reply.startswith(FAULT_REPLIES):
@@ -199,3 +264,9 @@ def store_error(error: ResponseError, keys: list[bytes]) -> ResponseError:
         where = repr(keys[0]) if len(keys) == 1 else f"one of {keys!r}"
         return CorruptBucketError(f"the value at {where} is not a bucketlimit bucket: {message}")
     return error
+
+
+def read_only(error: BaseException) -> bool:
+    """A ``READONLY`` reply: a demoted primary (or a replica) that still answers reads,
+    so the store counts as failing until a write succeeds (see ``Breaker``)."""
+    return isinstance(error, ReadOnlyError)

@@ -28,7 +28,9 @@ _SHORT_KEY: Final = _core.MAX_KEY_BYTES // 4
 
 
 def _encode(part: str) -> bytes:
-    return part.translate(_ESCAPES).encode("utf-8")
+    # str's own methods: a str subclass may override translate or encode, and a key
+    # is its content (the in-process limiter reads the characters too).
+    return str.encode(str.translate(part, _ESCAPES), "utf-8")
 
 
 class Keys:
@@ -65,13 +67,16 @@ class Keys:
             else:
                 return self._tag_start + encoded + b"}:" + encoded
         _core.check_key(key)
-        encoded = _encode(key)
+        # A str subclass's content as a plain str: its overridden methods never
+        # change the Redis key (hash_tag still gets the key as it was given).
+        encoded = _encode(str.__str__(key))
         if self._hash_tag is None:
             tag = encoded
         else:
             raw = self._hash_tag(key)
             if not isinstance(raw, str):
                 raise TypeError(f"hash_tag must return a str, got {type(raw).__name__}")
+            raw = str.__str__(raw)  # its content: no overridden __len__ or translate
             if not raw:
                 # An empty tag would make Redis hash the whole key instead.
                 raise ValueError(f"hash_tag returned an empty tag for key {key!r}")

@@ -37,21 +37,23 @@ from typing import (
     cast,
 )
 
-from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.crc import key_slot
+from redis.exceptions import ClusterError, NoPermissionError, NoScriptError, ResponseError
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
 from bucketlimit._redis.errors import (
     CONFIG,
     CORRUPT,
+    EXHAUSTED,
     FAULT,
+    REDIRECTED,
     StoreUnavailableError,
     check_version,
     classify,
     configuration_error,
+    read_only,
     store_error,
 )
 from bucketlimit._redis.keys import Keys, check_one_slot
@@ -63,10 +65,12 @@ from bucketlimit._redis.resilience import (
     STORE,
     Breaker,
     Fallback,
+    Policy,
     RefusalCache,
     check_policy,
     check_processes,
     check_retry_interval,
+    fork_safe,
 )
 from bucketlimit._redis.script import (
     ALLOW,
@@ -106,6 +110,22 @@ C = TypeVar("C")
 #: longer than this for its store is slower than having no limiter at all.
 DEFAULT_TIMEOUT: Final = 0.25
 
+#: The connections ``from_url``'s standalone client may open (redis-py's default
+#: pool size); a call finding them all busy waits up to ``timeout`` for one.
+DEFAULT_MAX_CONNECTIONS: Final = 100
+
+
+class LazyClient:
+    """The client ``from_url`` builds on first use: redis-py's sync ``RedisCluster``
+    asks a node for the slot map in its constructor, and nothing may be sent at
+    construction (docs/design.md §6)."""
+
+    __slots__ = ("build", "cluster")
+
+    def __init__(self, build: Callable[[], Any], *, cluster: bool) -> None:
+        self.build = build
+        self.cluster = cluster
+
 
 class Options(TypedDict, total=False):
     """The constructor's keyword arguments, for ``from_url``."""
@@ -113,7 +133,7 @@ class Options(TypedDict, total=False):
     per: float | SupportsIndex
     prefix: str
     hash_tag: Callable[[str], str] | None
-    on_store_error: str
+    on_store_error: Policy
     processes: SupportsIndex
     retry_interval: float
     refusal_cache: bool
@@ -126,6 +146,7 @@ class Call:
     __slots__ = (
         "args",
         "argv",
+        "breaker",
         "checks",
         "cost",
         "gate",
@@ -156,6 +177,7 @@ class Call:
         self.args = args  # the script's arguments
         self.checks = checks
         self.gate = STORE
+        self.breaker: Breaker | None = None  # the breaker of the node asked (set by _start)
         self.started = 0.0  # time.monotonic() before sending, for the refusal cache
         self.sent = 0  # commands sent, for stats()
         # The command it waits on: first its script by EVALSHA.
@@ -167,6 +189,7 @@ class Counters:
     """The numbers ``stats()`` reports; a lock, since many threads may share a limiter."""
 
     __slots__ = (
+        "__weakref__",
         "_lock",
         "allowed",
         "fallback_decisions",
@@ -181,6 +204,10 @@ class Counters:
         self._lock = threading.Lock()
         self.allowed = self.refused = self.store_calls = self.script_loads = 0
         self.store_errors = self.fallback_decisions = self.refusal_cache_hits = 0
+        fork_safe(self)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     def add(self, sent: int, allowed: bool | None) -> None:
         """A call that ended: the commands it sent and, for an allow, its decision
@@ -203,7 +230,7 @@ class Counters:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {name: getattr(self, name) for name in self.__slots__ if name != "_lock"}
+            return {name: getattr(self, name) for name in self.__slots__ if name[0] != "_"}
 
 
 class RedisLimiter(Generic[C]):
@@ -220,6 +247,7 @@ class RedisLimiter(Generic[C]):
     _script: ClassVar[Script] = BUCKET_SCRIPT
     _clients: ClassVar[tuple[type[Any], type[Any]]]
     _retry: ClassVar[type[Any]]
+    _blocking_pool: ClassVar[type[Any]]
     _other: ClassVar[str]
 
     def __init__(
@@ -232,12 +260,13 @@ class RedisLimiter(Generic[C]):
         per: float | SupportsIndex = 1,
         prefix: str = "bucketlimit:",
         hash_tag: Callable[[str], str] | None = None,
-        on_store_error: str = LOCAL,
+        on_store_error: Policy = LOCAL,
         processes: SupportsIndex = 1,
         retry_interval: float = 1.0,
         refusal_cache: bool = True,
     ) -> None:
-        if not isinstance(client, self._clients):
+        lazy: LazyClient | None = client if isinstance(client, LazyClient) else None
+        if lazy is None and not isinstance(client, self._clients):
             names = " or ".join(f"{c.__module__}.{c.__qualname__}" for c in self._clients)
             raise TypeError(f"client must be a {names} (use {self._other}), got {type(client)}")
         capacity, p, unit = _core.exact_units(capacity, rate, per=per)
@@ -253,7 +282,11 @@ class RedisLimiter(Generic[C]):
                 "of the Redis script: Lua numbers are doubles, exact only below 2**53, and "
                 f"capacity * units per token + units per microsecond = {capacity * unit + p}"
             )
-        self._client = client
+        # The client, or None until from_url's is built (_connect).
+        self._client: C | None = None if lazy is not None else client
+        self._lazy: LazyClient | None = lazy
+        self._cluster = lazy.cluster if lazy is not None else isinstance(client, self._clients[1])
+        self._client_lock = threading.Lock()
         self._capacity: int = capacity
         self._p: int = p
         self._unit: int = unit
@@ -280,11 +313,13 @@ class RedisLimiter(Generic[C]):
             retry_interval=self._retry_interval,
             clock=clock,
         )
-        self._breaker = Breaker(
-            self._retry_interval,
-            f"{type(self).__name__}(prefix={prefix!r})",
-            self._fallback.description,
-        )
+        # One breaker for a standalone store; on a cluster one per node (keyed by
+        # "host:port"), so that one shard's outage degrades only its keys. The
+        # shared one answers for a cluster whose slot map is not known yet.
+        self._name = f"{type(self).__name__}(prefix={prefix!r})"
+        self._breaker = Breaker(self._retry_interval, self._name, self._fallback.description)
+        self._node_breakers: dict[str, Breaker] = {}
+        fork_safe(self)
         # Only on the store's clock: an injected clock (a ManualClock) may jump ahead
         # of time.monotonic(), which the cache measures waits with.
         self._refusals = RefusalCache() if refusal_cache and clock is None else None
@@ -304,21 +339,80 @@ class RedisLimiter(Generic[C]):
         """A limiter on a new client for ``url``: ``timeout`` seconds to connect and
         to answer, and no command retries (a command that failed may have run: a
         resend could charge twice). ``cluster=True`` builds a Redis Cluster client.
-        ``options`` are the constructor's keyword arguments (``per``, ``prefix``, ...)."""
-        client_class = cls._clients[1] if cluster else cls._clients[0]
-        client = client_class.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=cls._retry(NoBackoff(), 0),
-        )
-        return cls(client, capacity, rate, clock, **options)
+        ``options`` are the constructor's keyword arguments (``per``, ``prefix``, ...).
+
+        The client is built on first use (the first call, or reading ``client``),
+        so nothing is sent here. A standalone client gets a blocking pool of
+        :data:`DEFAULT_MAX_CONNECTIONS`: a call finding every connection busy waits
+        up to ``timeout`` for one (docs/redis.md, "A full connection pool")."""
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+            raise TypeError(f"timeout must be an int or float, got {type(timeout).__name__}")
+        if not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be finite and > 0 (seconds), got {timeout!r}")
+        settings: dict[str, Any] = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": cls._retry(NoBackoff(), 0),
+        }
+        if cluster:
+            cluster_class = cls._clients[1]
+            # redis-py's asyncio cluster client closes every connection (those other
+            # tasks are using too) on each 5th MOVED by default: during a migration
+            # that lost replies of scripts that ran. With 0 a MOVED only updates the
+            # slot it names (docs/redis.md, "Resharding and failover").
+            settings["reinitialize_steps"] = 0
+
+            def build() -> Any:
+                return cluster_class.from_url(url, **settings)
+
+        else:
+            client_class, pool_class = cls._clients[0], cls._blocking_pool
+            # Built now (parsing the URL sends nothing): a bad URL fails here.
+            pool = pool_class.from_url(
+                url, max_connections=DEFAULT_MAX_CONNECTIONS, timeout=timeout, **settings
+            )
+
+            def build() -> Any:
+                return client_class.from_pool(pool)
+
+        lazy = LazyClient(build, cluster=cluster)
+        return cls(cast("C", lazy), capacity, rate, clock, **options)
 
     # -- read-only configuration -------------------------------------------------
 
     @property
     def client(self) -> C:
-        return self._client
+        """The client; ``from_url``'s is built by the first call or by reading this
+        (a sync cluster client then asks a node for the slot map, and raises the
+        client's error when none answers)."""
+        return self._connect()
+
+    def _connect(self) -> C:
+        """The client, built now if ``from_url`` has not built it yet. Two threads
+        may both build one: the first to finish keeps its own, the other closes its."""
+        client = self._client
+        if client is not None:
+            return client
+        assert self._lazy is not None
+        built = self._lazy.build()
+        with self._client_lock:
+            if self._client is None:
+                self._client = built
+                return cast("C", built)
+            client = self._client
+        self._discard(built)
+        return client
+
+    def _same_client(self) -> object:
+        """What allow_all compares: the client, or what will build it."""
+        return self._client if self._client is not None else self._lazy
+
+    def _discard(self, client: Any) -> None:
+        """Closes a client built by a thread that lost the race to build it (an
+        asyncio client opened no connection yet: nothing to close)."""
+
+    def _after_fork(self) -> None:
+        self._client_lock = threading.Lock()
 
     @property
     def capacity(self) -> int:
@@ -338,7 +432,7 @@ class RedisLimiter(Generic[C]):
         return self._keys.prefix.decode("utf-8")
 
     @property
-    def on_store_error(self) -> str:
+    def on_store_error(self) -> Policy:
         return self._policy
 
     @property
@@ -361,7 +455,8 @@ class RedisLimiter(Generic[C]):
         ``fallback_decisions`` (answers with ``degraded=True``), ``breaker_openings``
         (outages) and ``refusal_cache_hits`` (refusals answered without the store)."""
         stats = self._counters.snapshot()
-        stats["breaker_openings"] = self._breaker.openings
+        breakers = [self._breaker, *list(self._node_breakers.values())]
+        stats["breaker_openings"] = sum(breaker.openings for breaker in breakers)
         return cast("RedisLimiterStats", stats)
 
     def __repr__(self) -> str:
@@ -444,13 +539,38 @@ class RedisLimiter(Generic[C]):
                     return self._finish(call, cached)
             else:
                 refusals.drop(call.keys[0])  # this process gives tokens back
-        breaker = self._breaker
+        breaker = self._breaker_for(call.keys[0]) if self._cluster else self._breaker
+        call.breaker = breaker
         if breaker.open:  # else admit() would say STORE
             call.gate = breaker.admit()
             if call.gate is SKIP:
                 return self._finish(call, self._without_store(call, None))
         call.sent = 1
         return PENDING
+
+    def _breaker_for(self, key: bytes) -> Breaker:
+        """On a cluster, the breaker of the primary the client's slot map names for
+        ``key`` (the shared one until the client knows the map), so that one shard's
+        outage degrades only its keys."""
+        client = self._client
+        if client is None:
+            return self._breaker
+        try:
+            node = client.nodes_manager.slots_cache[key_slot(key)][0].name  # type: ignore[attr-defined]
+        except (LookupError, AttributeError, TypeError):
+            return self._breaker  # not known yet (or a client without the map)
+        breaker = self._node_breakers.get(node)
+        if breaker is None:
+            with self._client_lock:
+                breaker = self._node_breakers.get(node)
+                if breaker is None:
+                    breaker = Breaker(
+                        self._retry_interval,
+                        f"{self._name} node {node}",
+                        self._fallback.description,
+                    )
+                    self._node_breakers[node] = breaker
+        return breaker
 
     def _reply(self, call: Call, reply: Any) -> Answer:
         """The store answered the call's command.
@@ -466,9 +586,10 @@ class RedisLimiter(Generic[C]):
                 return PENDING
             check_version(reply)
             return self._finish(call, None)
-        if call.gate is not STORE or self._breaker.open:  # else nothing to close
-            self._breaker.succeeded(call.gate)
+        breaker = call.breaker
+        assert breaker is not None
         if mode is REFUND or mode is RESET:
+            breaker.succeeded(call.gate)
             return self._finish(call, None)
         retry_after, remaining, reset_after = reply[0], reply[1], reply[2]
         answer = Decision(
@@ -478,6 +599,9 @@ class RedisLimiter(Generic[C]):
             reset_after / 1_000_000 if reset_after >= 0 else math.inf,
             reply[3] if len(reply) > 3 else self._capacity,
         )
+        if call.gate is not STORE or breaker.open:  # else nothing to close
+            # Only a write proves a store that said READONLY writable again.
+            breaker.succeeded(call.gate, wrote=mode is ALLOW and answer.allowed)
         refusals = self._refusals
         if refusals is not None and call.checks is None:
             if not answer.allowed:
@@ -490,6 +614,12 @@ class RedisLimiter(Generic[C]):
         """The call's command failed (CancelledError and KeyboardInterrupt too: a
         probe must be released and the call counted): send it again only after
         NOSCRIPT, else the failure policy answers, or this raises."""
+        if call.sent == 1 and isinstance(error, ClusterError) and classify(error) == REDIRECTED:
+            # Every node answered MOVED, ASK or TRYAGAIN: the script did not run, so
+            # sending it once more is safe (docs/design.md §6); a second storm goes
+            # to the policy.
+            call.sent += 1
+            return PENDING
         if isinstance(error, NoScriptError) and call.argv[0] == "EVALSHA":
             # The script did not run, so sending it whole is safe (and caches it).
             self._counters.event("script_loads")
@@ -534,21 +664,29 @@ class RedisLimiter(Generic[C]):
     def _failed(self, call: Call, error: BaseException) -> Decision | None:
         """Answers a call whose command failed, or raises."""
         kind = classify(error)
+        breaker = call.breaker
+        assert breaker is not None
         if kind in (FAULT, CORRUPT):
             self._counters.event("store_errors")
         if kind == FAULT:
-            self._breaker.failed(call.gate, error)
+            breaker.failed(call.gate, error, read_only=read_only(error))
+            return self._without_store(call, error)
+        if kind in (EXHAUSTED, REDIRECTED):
+            # This process has no free connection, or its cluster client lost its
+            # way among redirections: the store is not down, so the breaker stays
+            # as it was; the policy answers this one call.
+            breaker.release(call.gate)
             return self._without_store(call, error)
         if kind == CORRUPT:
             # The store answered, so it works: no breaker; and never an allow.
-            self._breaker.succeeded(call.gate)
+            breaker.succeeded(call.gate, wrote=False)
             if self._raises(call):
                 raise error
             if call.mode is REFUND or call.mode is RESET:
                 return None
             self._counters.event("fallback_decisions")
             return self._fallback.refusal()
-        self._breaker.release(call.gate)
+        breaker.release(call.gate)
         if kind == CONFIG:
             raise configuration_error(error) from error
         raise error
@@ -562,7 +700,8 @@ class RedisLimiter(Generic[C]):
         if self._raises(call):
             if error is not None:
                 raise error
-            raise StoreUnavailableError(self._breaker.describe())
+            assert call.breaker is not None
+            raise StoreUnavailableError(call.breaker.describe())
         if call.mode is REFUND:
             # Lost for the store, which keeps the charge: never more than the limit.
             self._fallback.refund(call.key, call.cost)
@@ -598,7 +737,7 @@ def allow_all_call(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[An
             ) from None
         if not isinstance(limiter, RedisLimiter):
             raise TypeError(f"allow_all got {type(limiter).__name__} among Redis limiters")
-        if limiters and limiter._client is not limiters[0]._client:
+        if limiters and limiter._same_client() is not limiters[0]._same_client():
             raise ValueError(
                 "allow_all runs one script on one client: every Redis limiter in it "
                 "must share the same client object"
@@ -624,7 +763,7 @@ def allow_all_call(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[An
     if not limiters:
         raise ValueError("allow_all needs at least one (limiter, key)")
     first = limiters[0]
-    if isinstance(first._client, (RedisCluster, AsyncRedisCluster)):
+    if first._cluster:
         check_one_slot(keys)
     return first, Call(ALLOW, "", args[0], first._script, keys, args, checks=checks)
 

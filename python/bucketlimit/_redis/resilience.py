@@ -24,14 +24,19 @@ import hashlib
 import logging
 import math
 import operator
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from typing import Final
+from typing import Final, Literal, Protocol, cast
 
 from bucketlimit._core import Decision, TokenBucketLimiter
 
 logger = logging.getLogger("bucketlimit")
+
+#: An ``on_store_error`` policy, as a type: ``"locl"`` does not type-check.
+Policy = Literal["local", "open", "closed", "raise"]
 
 #: The ``on_store_error`` policies.
 LOCAL: Final = "local"
@@ -62,6 +67,32 @@ def _less(wait: float, elapsed: float) -> float:
     return max(0, round(wait * 1_000_000) - round(elapsed * 1_000_000)) / 1_000_000
 
 
+class _ForkSafe(Protocol):
+    def _after_fork(self) -> None: ...
+
+
+_FORK_SAFE: weakref.WeakSet[_ForkSafe] = weakref.WeakSet()
+
+
+def fork_safe(obj: _ForkSafe) -> None:
+    """Calls ``obj._after_fork()`` in the child of every ``fork()``.
+
+    A lock held by another thread when a process forks stays held for ever in the
+    child, where that thread does not exist: each object holding a lock gives
+    itself new ones (and forgets what such a thread was doing) there.
+    """
+    _FORK_SAFE.add(obj)
+
+
+def _after_fork_in_child() -> None:
+    for obj in list(_FORK_SAFE):
+        obj._after_fork()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 # The limiters' failure settings, checked as the core checks its own (docs/design.md §3):
 # TypeError for the wrong type, ValueError for the wrong value.
 
@@ -90,7 +121,7 @@ def check_retry_interval(retry_interval: object) -> float:
     return float(retry_interval)
 
 
-def check_policy(on_store_error: object) -> str:
+def check_policy(on_store_error: object) -> Policy:
     if not isinstance(on_store_error, str):
         raise TypeError(f"on_store_error must be a str, got {type(on_store_error).__name__}")
     if on_store_error not in POLICIES:
@@ -98,7 +129,7 @@ def check_policy(on_store_error: object) -> str:
             f"on_store_error must be one of {', '.join(map(repr, POLICIES))}, "
             f"got {on_store_error!r}"
         )
-    return on_store_error
+    return cast("Policy", on_store_error)
 
 
 class Gate(enum.Enum):
@@ -116,8 +147,11 @@ STORE, PROBE, SKIP = Gate.STORE, Gate.PROBE, Gate.SKIP
 class Breaker:
     """Skips a failing store for ``retry_interval`` seconds, then lets one call probe it.
 
-    Any answer from the store closes the breaker; a store failure opens it (or,
-    for a failed probe, keeps it open for another interval). Opening logs one
+    Any answer from the store closes the breaker, except after ``READONLY``: a
+    demoted primary still answers what writes nothing (a refusal, a peek), so the
+    store counts as failing until a write succeeds (``succeeded(gate, wrote=True)``),
+    and one outage is one opening, not one per refusal. A store failure opens it
+    (or, for a failed probe, keeps it open for another interval). Opening logs one
     WARNING and closing one INFO line per outage, on the ``bucketlimit`` logger.
     ``retry_interval == 0`` turns the skipping off: every call asks the store
     (the outage is still counted and logged once).
@@ -144,7 +178,13 @@ class Breaker:
         self.opened_at = 0.0
         self._skipped = 0  # calls answered without the store in this outage
         self._last_error = ""
+        self._until_write = False  # opened by READONLY: only a write closes it
         self.openings = 0
+        fork_safe(self)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._probing = False  # the probing thread, if any, is not in this process
 
     def admit(self) -> Gate:
         # Unlocked fast path: a call racing with the opening is the call that was
@@ -160,8 +200,9 @@ class Breaker:
             self._probing = True
             return PROBE
 
-    def succeeded(self, gate: Gate) -> None:
-        """The store answered (even with an error reply about one key)."""
+    def succeeded(self, gate: Gate, *, wrote: bool = True) -> None:
+        """The store answered (even with an error reply about one key); ``wrote``:
+        the answer was a write (an allow that spent, a refund, a reset)."""
         if not self.open and gate is not PROBE:
             return
         with self._lock:
@@ -169,7 +210,12 @@ class Breaker:
                 self._probing = False
             if not self.open:
                 return
+            if self._until_write and not wrote:
+                # Still read-only as far as we know: probe again after an interval.
+                self._retry_at = self._monotonic() + self.retry_interval
+                return
             self.open = False
+            self._until_write = False
             outage = self._monotonic() - self.opened_at
             skipped, self._skipped = self._skipped, 0
         logger.info(
@@ -179,14 +225,16 @@ class Breaker:
             skipped,
         )
 
-    def failed(self, gate: Gate, error: BaseException) -> None:
-        """The store failed (a timeout, a lost connection, a busy or read-only server)."""
+    def failed(self, gate: Gate, error: BaseException, *, read_only: bool = False) -> None:
+        """The store failed (a timeout, a lost connection, a busy or read-only server);
+        ``read_only``: it said ``READONLY``, so only a write will close the breaker."""
         now = self._monotonic()
         with self._lock:
             if gate is PROBE:
                 self._probing = False
             self._retry_at = now + self.retry_interval
             self._last_error = f"{type(error).__name__}: {error}"
+            self._until_write = self._until_write or read_only
             if self.open:
                 return
             self.open = True
@@ -250,6 +298,10 @@ class RefusalCache:
         # Insertion-ordered: the first entry is the oldest. Read without the lock by
         # the limiters' common case: while it is empty there is nothing to look up.
         self.entries: dict[bytes, _Refusal] = {}
+        fork_safe(self)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     @staticmethod
     def _digest(key: bytes) -> bytes:
