@@ -14,8 +14,8 @@
     @Limit(TokenBucketLimiter(2, 0.1), name="search")   # one view (several stack)
     def search(): ...
 
-A refused request gets ``429`` with ``Retry-After`` and a JSON body
-``{"error": "rate limited", "retry_after": 2}``; every limited response carries
+A refused request gets ``429`` with ``Retry-After`` and an RFC 9457 problem body
+(``application/problem+json``; 413 or 403 when it can never pass); every limited response carries
 ``RateLimit-Policy`` and ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11),
 one field each whatever the number of limits. Flask is synchronous: give it the
 in-process limiter or ``RedisTokenBucketLimiter``, not the asyncio one.
@@ -24,20 +24,21 @@ in-process limiter or ``RedisTokenBucketLimiter``, not the asyncio one.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import flask
-from flask import Flask, Request, Response, current_app, g, jsonify
+from flask import Flask, Request, Response, current_app, g
 
 from bucketlimit._core import Decision
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import refusal_body, refusal_headers
 from bucketlimit._web.limiters import AnyLimiter, SyncLimiter, is_async_limiter
 from bucketlimit._web.limits import (
     ConfigurationError,
     KeyFunctionError,
     LimitSettings,
+    PlanFunc,
     RequestLimits,
     run,
 )
@@ -66,23 +67,27 @@ F = TypeVar("F", bound=Callable[..., Any])
 _STATE = "_bucketlimit"
 
 
-def client_address(trusted_proxies: Iterable[str | Network] = ()) -> Callable[[Request], str]:
-    """A key function: the client's IP address.
+def client_address(
+    trusted_proxies: Iterable[str | Network] = (), *, ipv6_prefix: int = 64
+) -> Callable[[Request], str]:
+    """A key function: the client's IP address, an IPv6 client by its ``/64``.
 
     With no trusted proxies (the default) it is the direct peer,
     ``request.remote_addr``, and ``X-Forwarded-For`` is ignored: a client cannot
     pick its own key by sending one. Behind proxies, list their networks; the key
     is then the right-most ``X-Forwarded-For`` hop that is not one of them.
+    ``ipv6_prefix`` (0-128) is how many bits of an IPv6 address the key keeps.
     """
     return client_address_key(
         trusted_proxies,
         lambda request: request.remote_addr,
         lambda request: request.headers.getlist("X-Forwarded-For"),
         "REMOTE_ADDR is missing",
+        ipv6_prefix,
     )
 
 
-#: The default key: the direct peer address, ``X-Forwarded-For`` ignored.
+#: The default key: the direct peer address (IPv6 by /64), ``X-Forwarded-For`` ignored.
 remote_address = client_address()
 
 
@@ -116,18 +121,21 @@ def _request_limits() -> RequestLimits:
 class Limit(LimitSettings[Request]):
     """One limit: decorate views with it, or apply it to a whole app with :class:`RateLimit`.
 
-    - ``limiter``: ``TokenBucketLimiter`` or ``RedisTokenBucketLimiter``.
+    - ``limiter``: ``TokenBucketLimiter`` or ``RedisTokenBucketLimiter``, or a
+      function of the request returning one (a plan's, built once), or
+      ``(policy_name, limiter)``.
     - ``key``: a function of the request returning a non-empty ``str``; default
       :data:`remote_address`. Returning ``None`` or ``""`` raises
       :class:`KeyFunctionError` rather than sharing one bucket.
     - ``cost``: an ``int`` or a function of the request (``request.get_json()``
       works, and the view can read the body again). A cost above the capacity is
-      a 429 that will never pass (no ``Retry-After``).
+      refused with 413 (it can never pass).
     - ``name``: the policy name in the RateLimit fields; distinct per route.
     - ``shadow``: decide, charge, report (headers, log, :attr:`shadow_refusals`),
       never refuse.
     - ``exempt``: a predicate of the request; true means no limit, no charge, no
       fields.
+    - ``pk``: ``True`` (or a shared secret, ``bytes``) adds draft-11's partition key.
 
     When several limits apply to a request and one refuses, the others' charges
     are refunded: the request did not run.
@@ -135,7 +143,9 @@ class Limit(LimitSettings[Request]):
 
     default_key = staticmethod(remote_address)
 
-    def __init__(self, limiter: SyncLimiter, **options: Unpack[LimitOptions[Request]]) -> None:
+    def __init__(
+        self, limiter: SyncLimiter | PlanFunc[Request], **options: Unpack[LimitOptions[Request]]
+    ) -> None:
         super().__init__(limiter, **options)
 
     def check_limiter(self, limiter: AnyLimiter) -> None:
@@ -159,15 +169,13 @@ class Limit(LimitSettings[Request]):
 
     def check(self) -> Response | None:
         """Applies the limit to the current request: a 429 response, or ``None`` to go on."""
-        held, refused = run(self.procedure(flask.request, _request_limits, _describe, _hold))
+        _, refused = run(self.procedure(flask.request, _request_limits, _describe, _hold))
         if not refused:
             return None
-        assert held is not None  # an exempt request is never refused
-        assert held.decision is not None
-        response = jsonify(refusal_body(held.decision))
-        response.status_code = 429
-        response.headers.update(refusal_headers(held.decision))
-        return response
+        refusal = _request_limits().refusal()
+        return Response(
+            json.dumps(refusal.body, separators=(",", ":")), refusal.status, refusal.headers
+        )
 
 
 #: ``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``.
