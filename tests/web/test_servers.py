@@ -1,5 +1,8 @@
-"""Real servers over real sockets, once each: the ASGI middleware under uvicorn
-(HTTP and a WebSocket refused at the handshake with a real 429/403 response)."""
+"""Real servers over real sockets: the ASGI middleware under uvicorn (HTTP and a
+WebSocket refused at the handshake with a real 403 response), and
+examples/django_app.py under gunicorn with 4 workers: with the Redis limiter they
+admit exactly the capacity, 2,000 requests at once (as tests/web/test_web_workers.py
+does for FastAPI)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +23,20 @@ from websockets.sync.client import connect
 
 from tests.support.redis_servers import free_port
 from tests.web import sf
+from tests.web.test_web_workers import (
+    CAPACITY,
+    QUOTA,
+    REQUESTS,
+    WORKERS,
+    Server,
+    hammer,
+    stop,
+    wait_for_all_workers,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_DEADLINE = 60.0
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
 
 @contextlib.contextmanager
@@ -84,3 +98,51 @@ def test_uvicorn_limits_http_and_refuses_a_websocket_at_the_handshake(tmp_path: 
         assert response.status_code == 403  # rate 0: spent for good, over real HTTP
         assert response.headers["Content-Type"] == "application/problem+json"
         assert b'"violated-policies":["conn"]' in response.body
+
+
+# -- Django under gunicorn, 4 workers ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def gunicorn_django(tmp_path: Path, env: dict[str, str]) -> Iterator[Server]:
+    """examples/django_app.py under ``gunicorn --workers 4``, every worker answering."""
+    port = free_port()
+    log = tmp_path / "gunicorn.log"
+    command = [
+        sys.executable, "-m", "gunicorn", "--chdir", str(ROOT / "examples"),
+        "django_app:application", "--bind", f"127.0.0.1:{port}",
+        "--workers", str(WORKERS), "--log-level", "warning",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = Server(process, port, log)
+    try:
+        wait_for_all_workers(server)
+        yield server
+    finally:
+        stop(process)
+
+
+@pytest.mark.redis
+def test_django_with_four_workers_sharing_redis_admits_exactly_the_capacity(
+    tmp_path: Path, redis_url: str
+) -> None:
+    env = {**QUOTA, "REDIS_URL": redis_url, "REDIS_TIMEOUT": "10"}
+    with gunicorn_django(tmp_path, env) as server:
+        statuses = hammer(server)
+    # Rate 0: a spent quota never refills, so the refusals are 403.
+    assert statuses == Counter({200: CAPACITY, 403: REQUESTS - CAPACITY}), server.log_tail()
+
+
+def test_django_with_four_in_process_workers_admits_more(tmp_path: Path) -> None:
+    with gunicorn_django(tmp_path, {**QUOTA, "REDIS_URL": ""}) as server:
+        statuses = hammer(server)
+    assert statuses[200] + statuses[403] == REQUESTS, (statuses, server.log_tail())
+    assert CAPACITY < statuses[200] <= WORKERS * CAPACITY  # one bucket per worker
