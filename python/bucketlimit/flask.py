@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import flask
-from flask import Flask, Request, Response, current_app, g
+from flask import Flask, Request, Response, current_app
 
 from bucketlimit._core import Decision
 from bucketlimit._web.addresses import Network, client_address_key
@@ -64,7 +64,7 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_STATE = "_bucketlimit"
+_STATE = "bucketlimit.limits"
 
 
 def client_address(
@@ -100,21 +100,31 @@ def _hold(limiter: AnyLimiter, key: str, charged: int, decision: Decision) -> Re
     return Reservation(cast(SyncLimiter, limiter), key, charged, decision)
 
 
-def _request_limits() -> RequestLimits:
-    """This request's limits; the first call arranges for one writer of the fields."""
-    limits: RequestLimits | None = g.get(_STATE)
+_HOOKED = "bucketlimit.hooked"  # environ: the app's RateLimit extension writes the fields
+
+
+def _write_fields(limits: RequestLimits, response: Response) -> Response:
+    fields = limits.fields()
+    if fields:
+        headers = response.headers
+        for name in fields:
+            if name in headers:
+                del headers[name]  # replaces, never appends
+        headers.extend(fields)
+    return response
+
+
+def _request_limits(request: Request) -> RequestLimits:
+    """This request's limits (kept in its WSGI environ); the first call arranges for
+    one writer of the fields, unless the app's :class:`RateLimit` hook writes them."""
+    environ = request.environ
+    limits: RequestLimits | None = environ.get(_STATE)
     if limits is None:
-        limits = RequestLimits()
-        setattr(g, _STATE, limits)
-
-        # Runs on the final response, error responses included, after every
-        # limit of the request has decided: one RateLimit field, never two.
-        @flask.after_this_request
-        def write_fields(response: Response) -> Response:
-            for name, value in limits.fields().items():
-                response.headers[name] = value  # replaces, never appends
-            return response
-
+        limits = environ[_STATE] = RequestLimits()
+        if not environ.get(_HOOKED):
+            # Runs on the final response, error responses included, after every
+            # limit of the request has decided: one RateLimit field, never two.
+            flask.after_this_request(functools.partial(_write_fields, limits))
     return limits
 
 
@@ -169,10 +179,12 @@ class Limit(LimitSettings[Request]):
 
     def check(self) -> Response | None:
         """Applies the limit to the current request: a 429 response, or ``None`` to go on."""
-        _, refused = run(self.procedure(flask.request, _request_limits, _describe, _hold))
+        request: Request = flask.request._get_current_object()  # type: ignore[attr-defined]
+        limits = _request_limits(request)
+        _, refused = run(self.procedure(request, lambda: limits, _describe, _hold))
         if not refused:
             return None
-        refusal = _request_limits().refusal()
+        refusal = limits.refusal()
         return Response(
             json.dumps(refusal.body, separators=(",", ":")), refusal.status, refusal.headers
         )
@@ -198,7 +210,17 @@ class RateLimit:
             self.init_app(app)
 
     def init_app(self, app: Flask) -> None:
-        app.before_request(self.limit.check)
+        app.before_request(self._before)
+        app.after_request(self._after)
+
+    def _before(self) -> Response | None:
+        flask.request.environ[_HOOKED] = True
+        return self.limit.check()
+
+    @staticmethod
+    def _after(response: Response) -> Response:
+        limits: RequestLimits | None = flask.request.environ.get(_STATE)
+        return response if limits is None else _write_fields(limits, response)
 
     @property
     def shadow_refusals(self) -> int:
@@ -216,7 +238,7 @@ def reservation(name: str | None = None) -> Reservation:
     ``settle`` may run after the response, e.g. at the end of a streamed body or in
     ``response.call_on_close``. A reservation never settled keeps its full charge.
     """
-    limits: RequestLimits | None = g.get(_STATE)
+    limits: RequestLimits | None = flask.request.environ.get(_STATE)
     if limits is None:
         raise LookupError("no limit applied to this request")
     found = limits.reservation(name)

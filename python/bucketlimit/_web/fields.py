@@ -11,6 +11,7 @@ import hmac
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from bucketlimit._core import Decision
 
@@ -94,7 +95,7 @@ def _sf_string(text: str) -> str:
 
 
 def _sf_int(value: int) -> int:
-    return min(max(value, 0), _SF_INT_MAX)
+    return value if 0 <= value <= _SF_INT_MAX else min(max(value, 0), _SF_INT_MAX)
 
 
 def partition_key(secret: bytes, name: str, key: str) -> bytes:
@@ -108,13 +109,17 @@ def partition_key(secret: bytes, name: str, key: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=1024)
+def _quoted(name: str) -> str:
+    return _sf_string(name)
+
+
+@functools.lru_cache(maxsize=1024)
 def _policy_item(name: str, limit: int, window: int | None) -> str:
     item = f"{_sf_string(name)};q={_sf_int(limit)}"
     return item if window is None else f"{item};w={_sf_int(window)}"
 
 
-@dataclass(frozen=True)
-class Applied:
+class Applied(NamedTuple):
     """One limit's answer for one request, as the RateLimit fields report it.
 
     ``rate`` is the limiter's tokens per second (``t``); ``pk`` the partition key
@@ -129,6 +134,21 @@ class Applied:
     pk: bytes | None = None
     cost: int = 1
 
+    @classmethod
+    def of(
+        cls,
+        limiter: Any,
+        decision: Decision,
+        name: str = "default",
+        *,
+        cost: int = 1,
+        pk: bytes | None = None,
+    ) -> Applied:
+        """The answer ``decision`` of ``limiter`` (anything with ``capacity`` and
+        ``rate``) under the policy ``name``."""
+        rate = limiter.rate
+        return cls(name, decision, window_seconds(limiter.capacity, rate), rate, pk, cost)
+
     def _pk(self) -> str:
         return "" if self.pk is None else f";pk=:{base64.b64encode(self.pk).decode('ascii')}:"
 
@@ -136,11 +156,11 @@ class Applied:
         return _policy_item(self.name, self.decision.limit, self.window) + self._pk()
 
     def limit_item(self) -> str:
-        item = f"{_sf_string(self.name)};r={_sf_int(self.decision.remaining)}"
+        item = f"{_quoted(self.name)};r={_sf_int(self.decision.remaining)}"
         window = effective_window(self.decision, self.rate)
         if window is not None:
             item = f"{item};t={_sf_int(window)}"
-        return item + self._pk()
+        return item if self.pk is None else item + self._pk()
 
 
 def ratelimit_fields(applied: Sequence[Applied]) -> dict[str, str]:

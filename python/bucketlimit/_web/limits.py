@@ -165,7 +165,8 @@ class LimitSettings(Generic[R]):
 
     @limiter.setter
     def limiter(self, limiter: AnyLimiter | PlanFunc[R]) -> None:
-        if is_limiter(limiter):
+        plan = not is_limiter(limiter)
+        if not plan:
             self.check_limiter(cast(AnyLimiter, limiter))
         elif not callable(limiter):
             missing = next(m for m in ("allow", "peek", "refund") if not hasattr(limiter, m))
@@ -174,6 +175,7 @@ class LimitSettings(Generic[R]):
                 f"returning a limiter: {limiter!r}"
             )
         self._limiter = limiter
+        self._plan = plan
 
     @property
     def window(self) -> int | None:
@@ -206,7 +208,7 @@ class LimitSettings(Generic[R]):
         """Requests a shadow limit would have refused (always 0 when not shadow)."""
         return self._shadow_refusals
 
-    def checked_key(self, key: object, where: str) -> str:
+    def checked_key(self, key: object, where: object) -> str:
         """The key function's answer, or a :class:`KeyFunctionError` if there is none."""
         if isinstance(key, str) and key:
             return key
@@ -241,8 +243,8 @@ class LimitSettings(Generic[R]):
         self, decision: Decision, limiter: AnyLimiter, name: str, key: str, cost: int
     ) -> Applied:
         pk = None if self._pk_secret is None else partition_key(self._pk_secret, name, key)
-        window = window_seconds(limiter.capacity, limiter.rate)
-        return Applied(name, decision, window, limiter.rate, pk, cost)
+        rate = limiter.rate
+        return Applied(name, decision, window_seconds(limiter.capacity, rate), rate, pk, cost)
 
     def procedure(
         self,
@@ -268,11 +270,11 @@ class LimitSettings(Generic[R]):
         found = limits.find(self)
         if found is not None:  # already applied to this request (app-wide and per route)
             return cast(H, found), False
-        where = describe(request)
+        where = _Where(describe, request)  # formatted only for an error or a log line
         key = self.checked_key((yield self.key, (request,)), where)
         cost = (yield self.cost, (request,)) if callable(self.cost) else self.cost
         limiter, name = cast(AnyLimiter, self._limiter), self.name
-        if not is_limiter(limiter):  # a plan function: this request's limiter
+        if self._plan:  # a plan function: this request's limiter
             limiter, name = self.chosen((yield cast(Step, (self._limiter, (request,)))))
         if self.can_never_pass(cost, limiter):
             decision = self.never((yield limiter.peek, (key, limiter.capacity)))
@@ -286,7 +288,7 @@ class LimitSettings(Generic[R]):
             yield other.cancel, ()
         return held, True
 
-    def refuses(self, decision: Decision, key: str, cost: int, where: str) -> bool:
+    def refuses(self, decision: Decision, key: str, cost: int, where: object) -> bool:
         """Whether to answer 429: counts and logs a shadow limit's would-be refusal."""
         if decision.allowed:
             return False
@@ -297,12 +299,28 @@ class LimitSettings(Generic[R]):
         logger.info(
             "shadow limit %r would refuse %s (key %r, cost %d, retry after %s s)",
             self.name,
-            where,
+            str(where),
             key,
             cost,
             retry_after_seconds(decision),
         )
         return False
+
+
+class _Where:
+    """Which request this is, in errors and logs: ``describe(request)`` when shown."""
+
+    __slots__ = ("describe", "request")
+
+    def __init__(self, describe: Callable[[Any], str], request: object) -> None:
+        self.describe = describe
+        self.request = request
+
+    def __str__(self) -> str:
+        return self.describe(self.request)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 @dataclass
@@ -370,6 +388,10 @@ class RequestLimits:
         raise LookupError(f"several limits apply to this request; name one of {names!r}")
 
 
+# Answers that are never awaitable: checked first, as inspect.isawaitable is slow.
+_PLAIN = frozenset({str, int, bool, type(None), Decision, tuple})
+
+
 async def run_async(procedure: Procedure[T]) -> T:
     """Drives a procedure for an asyncio framework: each step is called, and awaited
     when it answers with an awaitable (an ``async def`` key function, the asyncio
@@ -381,19 +403,34 @@ async def run_async(procedure: Procedure[T]) -> T:
         except StopIteration as done:
             return cast(T, done.value)
         answer = function(*args)
-        if inspect.isawaitable(answer):
+        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
             answer = await answer
 
 
 def run(procedure: Procedure[T]) -> T:
-    """Drives a procedure for a synchronous framework: :func:`run_async` run to its
-    end at once, without an event loop (nothing it awaits there can suspend)."""
-    coroutine = run_async(procedure)
+    """Drives a procedure for a synchronous framework: each step is called; an
+    awaitable answer (an ``async def`` function) must finish without suspending,
+    since there is no event loop to wait on."""
+    answer = None
+    while True:
+        try:
+            function, args = procedure.send(answer)
+        except StopIteration as done:
+            return cast(T, done.value)
+        answer = function(*args)
+        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
+            answer = _finish_now(answer)
+
+
+def _finish_now(awaitable: Awaitable[Any]) -> Any:
+    coroutine = awaitable.__await__()
     try:
         coroutine.send(None)
     except StopIteration as done:
-        return cast(T, done.value)
-    coroutine.close()
+        return done.value
+    close = getattr(coroutine, "close", None)
+    if close is not None:
+        close()
     raise ConfigurationError(
         "a key, cost or exempt function of a synchronous framework's limit waited on "
         "something asynchronous; use a plain function there"

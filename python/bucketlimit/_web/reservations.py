@@ -21,8 +21,13 @@ def _check_used(used: int) -> int:
 L = TypeVar("L")
 
 
+# One lock for every reservation: settling is rare and short, and a lock per
+# request would cost each request its creation.
+_SETTLE_LOCK = threading.Lock()
+
+
 class _ReservationBase(Generic[L]):
-    __slots__ = ("_limiter", "_lock", "_settled", "charged", "decision", "key")
+    __slots__ = ("_limiter", "_settled", "charged", "decision", "key")
 
     def __init__(self, limiter: L | None, key: str, charged: int, decision: Decision | None):
         self._limiter = limiter
@@ -32,7 +37,6 @@ class _ReservationBase(Generic[L]):
         #: The limiter's answer; ``None`` when the request was exempt.
         self.decision = decision
         self._settled = False
-        self._lock = threading.Lock()
 
     @property
     def allowed(self) -> bool:
@@ -42,7 +46,7 @@ class _ReservationBase(Generic[L]):
     def _take_refund(self, used: int) -> int:
         """How many tokens to give back now; marks the reservation settled."""
         _check_used(used)
-        with self._lock:
+        with _SETTLE_LOCK:
             if self._settled:
                 return 0
             self._settled = True
