@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -141,8 +141,12 @@ def test_django_with_four_workers_sharing_redis_admits_exactly_the_capacity(
     assert statuses == Counter({200: CAPACITY, 403: REQUESTS - CAPACITY}), server.log_tail()
 
 
-def test_django_with_four_in_process_workers_admits_more(tmp_path: Path) -> None:
+def test_django_with_four_in_process_workers_admits_more(
+    tmp_path: Path, record_property: Callable[[str, object], None]
+) -> None:
     with gunicorn_django(tmp_path, {**QUOTA, "REDIS_URL": ""}) as server:
         statuses = hammer(server)
+    record_property("in_process_admitted", statuses[200])
+    print(f"\nDjango in-process, {WORKERS} workers, capacity {CAPACITY}: {statuses[200]} admitted")
     assert statuses[200] + statuses[403] == REQUESTS, (statuses, server.log_tail())
     assert CAPACITY < statuses[200] <= WORKERS * CAPACITY  # one bucket per worker
