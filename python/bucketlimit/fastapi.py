@@ -11,40 +11,49 @@
 
     app = FastAPI()
     app.add_middleware(RateLimitMiddleware, limit=per_client)   # every request
-
+                                                                # and WebSocket
     @app.get("/search", dependencies=[Depends(search)])         # one route
     async def do_search(): ...
 
-The in-process and the sync Redis limiter are called directly; the asyncio Redis
-limiter (``AsyncRedisTokenBucketLimiter``) is awaited. A refused request gets
-``429`` with ``Retry-After``; every limited response carries ``RateLimit-Policy``
-and ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11), one field each.
+Only Starlette is imported (FastAPI is built on it), so a bare Starlette app uses
+this module too. Key, cost and exempt functions receive a Starlette ``Request``
+(a ``WebSocket`` on a websocket route). The in-process and the sync Redis limiter
+are called directly; the asyncio Redis limiter is awaited. A refusal is the one
+every adapter sends: 429 with ``Retry-After`` and an RFC 9457 problem body (413
+or 403 when it can never pass), the same from the dependency and the
+middleware; every limited response carries ``RateLimit-Policy`` and
+``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11), one field each.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from fastapi import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import Response
 
 from bucketlimit._core import Decision
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import refusal_body, refusal_headers
-from bucketlimit._web.limits import (
-    ConfigurationError,
-    KeyFunctionError,
-    LimitSettings,
-    RequestLimits,
-    run_async,
-)
+from bucketlimit._web.fields import Refusal
+from bucketlimit._web.limits import ConfigurationError, KeyFunctionError
 from bucketlimit._web.reservations import AsyncReservation, reserve_async
+from bucketlimit.asgi import (
+    POLICY_VIOLATION,
+    AsgiLimit,
+    RateLimitMiddleware,
+    Receive,
+    Scope,
+    ratelimit_fields,
+    refusal_bytes,
+    request_limits,
+    reservation,
+    send_refusal,
+)
 
 __all__ = [
+    "POLICY_VIOLATION",
     "AsyncReservation",
     "ConfigurationError",
     "KeyFunctionError",
@@ -53,101 +62,88 @@ __all__ = [
     "RateLimitMiddleware",
     "client_address",
     "ratelimit_fields",
+    "refusal_handler",
     "remote_address",
     "reservation",
     "reserve_async",
 ]
 
-_STATE = "bucketlimit"
-_FIELD_NAMES = (b"ratelimit", b"ratelimit-policy")
 
-
-def client_address(trusted_proxies: Iterable[str | Network] = ()) -> Callable[[Request], str]:
-    """A key function: the client's IP address.
+def client_address(
+    trusted_proxies: Iterable[str | Network] = (), *, ipv6_prefix: int = 64
+) -> Callable[[HTTPConnection], str]:
+    """A key function: the client's IP address, an IPv6 client by its ``/64``.
 
     With no trusted proxies (the default) it is the direct peer, ``request.client``,
     and ``X-Forwarded-For`` is ignored: a client cannot pick its own key by sending
     one. Behind proxies, list their networks; the key is then the right-most
     ``X-Forwarded-For`` hop that is not one of them. (Do not also run uvicorn's
     ``--proxy-headers`` with a broad ``--forwarded-allow-ips``: it rewrites the peer
-    before this function sees it.)
+    before this function sees it.) ``ipv6_prefix`` (0-128) is how many bits of an
+    IPv6 address the key keeps.
     """
     return client_address_key(
         trusted_proxies,
         lambda request: request.client.host if request.client is not None else None,
         lambda request: request.headers.getlist("x-forwarded-for"),
         "scope['client'] is None",
+        ipv6_prefix,
     )
 
 
-def _describe(request: Request) -> str:
-    return f"{request.method} {request.url.path}"
-
-
-#: The default key: the direct peer address, ``X-Forwarded-For`` ignored.
+#: The default key: the direct peer address (IPv6 by /64), ``X-Forwarded-For`` ignored.
 remote_address = client_address()
 
 
-def _request_limits(scope: Scope) -> RequestLimits:
-    # scope["state"] is the dict behind request.state: shared by the middleware,
-    # the dependencies and the route of one request, and fresh for each request.
-    state: dict[str, Any] = scope.setdefault("state", {})
-    limits = state.get(_STATE)
-    if limits is None:
-        limits = state[_STATE] = RequestLimits()
-    return limits
-
-
-def ratelimit_fields(request: Request) -> dict[str, str]:
-    """The ``RateLimit-Policy`` and ``RateLimit`` fields of the limits applied so far.
-
-    For a route that returns its own ``Response`` under a dependency (FastAPI then
-    drops the dependency's headers): ``response.headers.update(ratelimit_fields(request))``.
-    The middleware does this by itself.
-    """
-    limits = request.scope.get("state", {}).get(_STATE)
-    return {} if limits is None else limits.fields()
-
-
-def reservation(request: Request, name: str | None = None) -> AsyncReservation:
-    """The reservation a limit made for this request (``name`` when several apply).
-
-    The dependency also returns it: ``held: AsyncReservation = Depends(tokens)``.
-    ``await held.settle(used)`` refunds the unused part, also after the response
-    (a ``BackgroundTasks`` task, the end of a streamed body).
-    """
-    limits = request.scope.get("state", {}).get(_STATE)
-    if limits is None:
-        raise LookupError("no limit applied to this request")
-    found = limits.reservation(name)
-    if not isinstance(found, AsyncReservation):  # pragma: no cover - only Flask makes these
-        raise TypeError("a sync reservation in an ASGI request")
-    return found
-
-
 class RateLimitExceeded(HTTPException):
-    """The 429 a :class:`Limit` dependency raises.
+    """The refusal a :class:`Limit` dependency raises; :func:`refusal_handler` answers it.
 
-    FastAPI's handler answers ``{"detail": {"error": "rate limited", "retry_after": 2}}``
-    with ``Retry-After`` and the RateLimit fields.
+    The dependency registers that handler with the app's exception middleware the
+    first time it refuses (unless the app registered its own), so the body is the
+    same problem document the middleware sends, not ``{"detail": ...}``.
     """
 
-    def __init__(self, decision: Decision, headers: dict[str, str]) -> None:
-        super().__init__(status_code=429, detail=refusal_body(decision), headers=headers)
-        self.decision = decision
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(
+            refusal.status, detail=str(refusal.body["detail"]), headers=refusal.headers
+        )
+        self.refusal = refusal
+
+    @property
+    def decision(self) -> Decision:
+        return self.refusal.decision
 
 
-class Limit(LimitSettings[Request]):
+async def refusal_handler(connection: HTTPConnection, exc: Exception) -> Response | None:
+    """Answers a :class:`RateLimitExceeded`: the problem response, or for a WebSocket
+    a refused handshake (429 where the server can send one, else close 1008)."""
+    assert isinstance(exc, RateLimitExceeded)
+    refusal = exc.refusal
+    if connection.scope["type"] == "websocket":
+        websocket: Any = connection
+        await send_refusal(connection.scope, websocket.receive, websocket.send, refusal)
+        return None
+    return Response(refusal_bytes(refusal), refusal.status, headers=refusal.headers)
+
+
+def _register_handler(scope: Scope) -> None:
+    handlers = scope.get("starlette.exception_handlers")
+    if handlers is not None:
+        handlers[0].setdefault(RateLimitExceeded, refusal_handler)
+
+
+class Limit(AsgiLimit[Any]):
     """One limit: a FastAPI dependency, or app-wide through :class:`RateLimitMiddleware`.
 
     - ``limiter``: ``TokenBucketLimiter``, ``RedisTokenBucketLimiter`` or
-      ``AsyncRedisTokenBucketLimiter``.
+      ``AsyncRedisTokenBucketLimiter``, or a function of the request returning one
+      (a plan's limiter, built once), or ``(policy_name, limiter)``.
     - ``key``: a function (or ``async def``) of the request returning a non-empty
       ``str``; default :data:`remote_address`. ``None`` or ``""`` raises
       :class:`KeyFunctionError` rather than sharing one bucket.
     - ``cost``: an ``int`` or a function (or ``async def``) of the request, e.g.
       ``(await request.json())["max_tokens"]``; the route can still read the body.
-      A cost above the capacity is a 429 that will never pass (no ``Retry-After``).
+      A cost above the capacity is refused with 413 (it can never pass).
     - ``name``: the policy name in the RateLimit fields; distinct per route.
     - ``shadow``: decide, charge, report (fields, log, :attr:`shadow_refusals`),
       never refuse.
@@ -156,100 +152,24 @@ class Limit(LimitSettings[Request]):
     - ``max_wait``: seconds a request that would be refused may wait for its tokens
       instead (awaited: ``acquire_async`` on the limiter's clock); 0, the default,
       refuses at once. A wait longer than that is refused at once, spending nothing.
+    - ``pk``: ``True`` (or a shared secret, ``bytes``) adds draft-11's partition key.
 
-    As a dependency it returns the request's :class:`AsyncReservation`. When
-    several limits apply to a request and one refuses, the others' charges are
-    refunded: the request did not run.
+    As a dependency (HTTP and websocket routes) it returns the request's
+    :class:`AsyncReservation`. When several limits apply to a request and one
+    refuses, the others' charges are refunded: the request did not run.
     """
 
     default_key = staticmethod(remote_address)
 
-    async def __call__(self, request: Request, response: Response) -> AsyncReservation:
+    def connection(self, scope: Scope, receive: Receive) -> HTTPConnection:
+        return Request(scope, receive) if scope["type"] == "http" else HTTPConnection(scope)
+
+    async def __call__(self, request: HTTPConnection, response: Response) -> AsyncReservation:
         held, refused = await self.apply(request)
-        fields = ratelimit_fields(request)
+        limits = request_limits(request.scope)
         if refused:
-            assert held.decision is not None
-            raise RateLimitExceeded(held.decision, {**fields, **refusal_headers(held.decision)})
-        for name, value in fields.items():
+            _register_handler(request.scope)
+            raise RateLimitExceeded(limits.refusal())
+        for name, value in limits.fields().items():
             response.headers[name] = value  # replaces: the last limit writes every member
         return held
-
-    async def apply(self, request: Request) -> tuple[AsyncReservation, bool]:
-        """Applies the limit: the request's reservation, and whether to answer 429."""
-        held, refused = await run_async(
-            self.procedure(
-                request, lambda: _request_limits(request.scope), _describe, AsyncReservation
-            )
-        )
-        if held is None:  # exempt: no limit, no charge
-            held = AsyncReservation(None, "", 0, None)
-        return held, refused
-
-
-class _Replay:
-    """Keeps the body a limit read (a cost from the JSON body) for the app to read again."""
-
-    def __init__(self, receive: Receive) -> None:
-        self._receive = receive
-        self._kept: deque[Message] = deque()
-
-    async def record(self) -> Message:
-        message = await self._receive()
-        self._kept.append(message)
-        return message
-
-    async def replay(self) -> Message:
-        if self._kept:
-            return self._kept.popleft()
-        return await self._receive()
-
-
-def _with_fields(message: Message, fields: dict[str, str]) -> Message:
-    """The response start with exactly one RateLimit and one RateLimit-Policy field."""
-    headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in _FIELD_NAMES]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in fields.items()]
-    return {**message, "headers": headers}
-
-
-class RateLimitMiddleware:
-    """Pure ASGI middleware applying a :class:`Limit` to every HTTP request.
-
-    ``app.add_middleware(RateLimitMiddleware, limit=per_client)``. It also writes
-    the final RateLimit fields of every limit of the request (its own and the
-    route's dependencies'), so they appear once even on a ``Response`` the route
-    built itself. Unlike ``BaseHTTPMiddleware`` it does not buffer responses, so
-    streaming and background tasks behave as without it.
-    """
-
-    def __init__(self, app: ASGIApp, limit: Limit) -> None:
-        if not isinstance(limit, Limit):
-            raise TypeError(f"RateLimitMiddleware takes a bucketlimit.fastapi.Limit, got {limit!r}")
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state: dict[str, Any] = scope.setdefault("state", {})
-        body = _Replay(receive)
-        held, refused = await self.limit.apply(Request(scope, body.record))
-
-        async def send_with_fields(message: Message) -> None:
-            limits = state.get(_STATE)
-            if message["type"] == "http.response.start" and limits is not None:
-                fields = limits.fields()
-                if fields:
-                    message = _with_fields(message, fields)
-            await send(message)
-
-        if refused:
-            assert held.decision is not None
-            response = JSONResponse(
-                refusal_body(held.decision),
-                status_code=429,
-                headers=refusal_headers(held.decision),
-            )
-            await response(scope, body.replay, send_with_fields)
-            return
-        await self.app(scope, body.replay, send_with_fields)

@@ -14,8 +14,8 @@
     @Limit(TokenBucketLimiter(2, 0.1), name="search")   # one view (several stack)
     def search(): ...
 
-A refused request gets ``429`` with ``Retry-After`` and a JSON body
-``{"error": "rate limited", "retry_after": 2}``; every limited response carries
+A refused request gets ``429`` with ``Retry-After`` and an RFC 9457 problem body
+(``application/problem+json``; 413 or 403 when it can never pass); every limited response carries
 ``RateLimit-Policy`` and ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11),
 one field each whatever the number of limits. Flask is synchronous: give it the
 in-process limiter or ``RedisTokenBucketLimiter``, not the asyncio one.
@@ -24,20 +24,21 @@ in-process limiter or ``RedisTokenBucketLimiter``, not the asyncio one.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import flask
-from flask import Flask, Request, Response, current_app, g, jsonify
+from flask import Flask, Request, Response, current_app
 
 from bucketlimit._core import Decision
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import refusal_body, refusal_headers
 from bucketlimit._web.limiters import AnyLimiter, SyncLimiter, is_async_limiter
 from bucketlimit._web.limits import (
     ConfigurationError,
     KeyFunctionError,
     LimitSettings,
+    PlanFunc,
     RequestLimits,
     run,
 )
@@ -63,26 +64,30 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_STATE = "_bucketlimit"
+_STATE = "bucketlimit.limits"
 
 
-def client_address(trusted_proxies: Iterable[str | Network] = ()) -> Callable[[Request], str]:
-    """A key function: the client's IP address.
+def client_address(
+    trusted_proxies: Iterable[str | Network] = (), *, ipv6_prefix: int = 64
+) -> Callable[[Request], str]:
+    """A key function: the client's IP address, an IPv6 client by its ``/64``.
 
     With no trusted proxies (the default) it is the direct peer,
     ``request.remote_addr``, and ``X-Forwarded-For`` is ignored: a client cannot
     pick its own key by sending one. Behind proxies, list their networks; the key
     is then the right-most ``X-Forwarded-For`` hop that is not one of them.
+    ``ipv6_prefix`` (0-128) is how many bits of an IPv6 address the key keeps.
     """
     return client_address_key(
         trusted_proxies,
         lambda request: request.remote_addr,
         lambda request: request.headers.getlist("X-Forwarded-For"),
         "REMOTE_ADDR is missing",
+        ipv6_prefix,
     )
 
 
-#: The default key: the direct peer address, ``X-Forwarded-For`` ignored.
+#: The default key: the direct peer address (IPv6 by /64), ``X-Forwarded-For`` ignored.
 remote_address = client_address()
 
 
@@ -95,34 +100,46 @@ def _hold(limiter: AnyLimiter, key: str, charged: int, decision: Decision) -> Re
     return Reservation(cast(SyncLimiter, limiter), key, charged, decision)
 
 
-def _request_limits() -> RequestLimits:
-    """This request's limits; the first call arranges for one writer of the fields."""
-    limits: RequestLimits | None = g.get(_STATE)
+_HOOKED = "bucketlimit.hooked"  # environ: the app's RateLimit extension writes the fields
+
+
+def _write_fields(limits: RequestLimits, response: Response) -> Response:
+    fields = limits.fields()
+    if fields:
+        headers = response.headers
+        for name in fields:
+            if name in headers:
+                del headers[name]  # replaces, never appends
+        headers.extend(fields)
+    return response
+
+
+def _request_limits(request: Request) -> RequestLimits:
+    """This request's limits (kept in its WSGI environ); the first call arranges for
+    one writer of the fields, unless the app's :class:`RateLimit` hook writes them."""
+    environ = request.environ
+    limits: RequestLimits | None = environ.get(_STATE)
     if limits is None:
-        limits = RequestLimits()
-        setattr(g, _STATE, limits)
-
-        # Runs on the final response, error responses included, after every
-        # limit of the request has decided: one RateLimit field, never two.
-        @flask.after_this_request
-        def write_fields(response: Response) -> Response:
-            for name, value in limits.fields().items():
-                response.headers[name] = value  # replaces, never appends
-            return response
-
+        limits = environ[_STATE] = RequestLimits()
+        if not environ.get(_HOOKED):
+            # Runs on the final response, error responses included, after every
+            # limit of the request has decided: one RateLimit field, never two.
+            flask.after_this_request(functools.partial(_write_fields, limits))
     return limits
 
 
 class Limit(LimitSettings[Request]):
     """One limit: decorate views with it, or apply it to a whole app with :class:`RateLimit`.
 
-    - ``limiter``: ``TokenBucketLimiter`` or ``RedisTokenBucketLimiter``.
+    - ``limiter``: ``TokenBucketLimiter`` or ``RedisTokenBucketLimiter``, or a
+      function of the request returning one (a plan's, built once), or
+      ``(policy_name, limiter)``.
     - ``key``: a function of the request returning a non-empty ``str``; default
       :data:`remote_address`. Returning ``None`` or ``""`` raises
       :class:`KeyFunctionError` rather than sharing one bucket.
     - ``cost``: an ``int`` or a function of the request (``request.get_json()``
       works, and the view can read the body again). A cost above the capacity is
-      a 429 that will never pass (no ``Retry-After``).
+      refused with 413 (it can never pass).
     - ``name``: the policy name in the RateLimit fields; distinct per route.
     - ``shadow``: decide, charge, report (headers, log, :attr:`shadow_refusals`),
       never refuse.
@@ -131,6 +148,7 @@ class Limit(LimitSettings[Request]):
     - ``max_wait``: seconds a request that would be refused may wait for its tokens
       instead (the worker sleeps, on the limiter's clock); 0, the default, refuses
       at once. A wait longer than that is refused at once, spending nothing.
+    - ``pk``: ``True`` (or a shared secret, ``bytes``) adds draft-11's partition key.
 
     When several limits apply to a request and one refuses, the others' charges
     are refunded: the request did not run.
@@ -138,7 +156,9 @@ class Limit(LimitSettings[Request]):
 
     default_key = staticmethod(remote_address)
 
-    def __init__(self, limiter: SyncLimiter, **options: Unpack[LimitOptions[Request]]) -> None:
+    def __init__(
+        self, limiter: SyncLimiter | PlanFunc[Request], **options: Unpack[LimitOptions[Request]]
+    ) -> None:
         super().__init__(limiter, **options)
 
     def check_limiter(self, limiter: AnyLimiter) -> None:
@@ -162,15 +182,15 @@ class Limit(LimitSettings[Request]):
 
     def check(self) -> Response | None:
         """Applies the limit to the current request: a 429 response, or ``None`` to go on."""
-        held, refused = run(self.procedure(flask.request, _request_limits, _describe, _hold))
+        request: Request = flask.request._get_current_object()  # type: ignore[attr-defined]
+        limits = _request_limits(request)
+        _, refused = run(self.procedure(request, lambda: limits, _describe, _hold))
         if not refused:
             return None
-        assert held is not None  # an exempt request is never refused
-        assert held.decision is not None
-        response = jsonify(refusal_body(held.decision))
-        response.status_code = 429
-        response.headers.update(refusal_headers(held.decision))
-        return response
+        refusal = limits.refusal()
+        return Response(
+            json.dumps(refusal.body, separators=(",", ":")), refusal.status, refusal.headers
+        )
 
 
 #: ``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``.
@@ -193,7 +213,17 @@ class RateLimit:
             self.init_app(app)
 
     def init_app(self, app: Flask) -> None:
-        app.before_request(self.limit.check)
+        app.before_request(self._before)
+        app.after_request(self._after)
+
+    def _before(self) -> Response | None:
+        flask.request.environ[_HOOKED] = True
+        return self.limit.check()
+
+    @staticmethod
+    def _after(response: Response) -> Response:
+        limits: RequestLimits | None = flask.request.environ.get(_STATE)
+        return response if limits is None else _write_fields(limits, response)
 
     @property
     def shadow_refusals(self) -> int:
@@ -211,7 +241,7 @@ def reservation(name: str | None = None) -> Reservation:
     ``settle`` may run after the response, e.g. at the end of a streamed body or in
     ``response.call_on_close``. A reservation never settled keeps its full charge.
     """
-    limits: RequestLimits | None = g.get(_STATE)
+    limits: RequestLimits | None = flask.request.environ.get(_STATE)
     if limits is None:
         raise LookupError("no limit applied to this request")
     found = limits.reservation(name)

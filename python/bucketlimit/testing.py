@@ -19,12 +19,18 @@ code that waits for tokens never sleep either.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import math
 import os
 import threading
 import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
-__all__ = ["ManualClock", "manual_clock"]
+from bucketlimit._core import TokenBucketLimiter
+
+__all__ = ["ManualClock", "limits_clock", "limits_on_clock", "manual_clock", "reset_limits"]
 
 _NS = 1_000_000_000
 
@@ -109,6 +115,95 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+# -- an app's limits on a fake clock ------------------------------------------------------
+
+
+def _twin(limiter: Any, clock: Callable[[], float]) -> TokenBucketLimiter:
+    """An in-process limiter with ``limiter``'s capacity and rate, deciding on ``clock``."""
+    per = float(getattr(limiter, "per", 1) or 1)
+    given = limiter.rate * per
+    rate: float = round(given) if abs(given - round(given)) < 1e-9 else given
+    return TokenBucketLimiter(limiter.capacity, rate, clock, per=per)
+
+
+def _on_clock(limit: Any, clock: Callable[[], float], saved: list[tuple[Any, Any]]) -> None:
+    from bucketlimit._web.limits import is_limiter
+
+    original = limit.limiter
+    saved.append((limit, original))
+    if is_limiter(original):
+        limit.limiter = _twin(original, clock)
+        return
+    twins: dict[int, tuple[Any, TokenBucketLimiter]] = {}
+
+    def twin_of(limiter: Any) -> TokenBucketLimiter:
+        found = twins.get(id(limiter))
+        if found is None:  # keeps the original alive, so its id is not reused
+            found = twins[id(limiter)] = (limiter, _twin(limiter, clock))
+        return found[1]
+
+    def choose(plan: Any) -> Any:
+        if isinstance(plan, tuple) and len(plan) == 2:
+            return plan[0], twin_of(plan[1])
+        return twin_of(plan)
+
+    def plan_on_clock(request: Any) -> Any:
+        plan = original(request)
+        if inspect.isawaitable(plan):
+
+            async def chosen() -> Any:
+                return choose(await plan)
+
+            return chosen()
+        return choose(plan)
+
+    limit.limiter = plan_on_clock
+
+
+@contextlib.contextmanager
+def limits_on_clock(clock: Callable[[], float] | None = None) -> Iterator[Callable[[], float]]:
+    """Every web limit (Flask, FastAPI, ASGI, Litestar, Django), those that exist and
+    those made inside the block, decides on ``clock`` (a new :class:`ManualClock` by
+    default), each with a fresh in-process bucket of the same capacity and rate
+    (a Redis limiter too); on exit each gets its own limiter back. Plan functions
+    keep choosing, each plan's limiter replaced by its twin on the clock::
+
+        with limits_on_clock() as clock:
+            assert client.get("/").status_code == 200
+            clock.advance(1)
+    """
+    from bucketlimit._web import limits as web
+
+    clock = ManualClock() if clock is None else clock
+    saved: list[tuple[Any, Any]] = []
+
+    def hook(limit: Any) -> None:
+        _on_clock(limit, clock, saved)
+
+    for limit in list(web._LIVE):
+        hook(limit)
+    web._ON_CREATE.append(hook)
+    try:
+        yield clock
+    finally:
+        web._ON_CREATE.remove(hook)
+        for limit, original in reversed(saved):
+            limit.limiter = original
+
+
+def reset_limits() -> None:
+    """Empties the buckets of every in-process limiter behind a web limit (each
+    ``TokenBucketLimiter``'s ``clear()``): every client starts with a full bucket.
+    Call it between tests that share a module-level app; Redis limiters keep their
+    state (flush the test database instead)."""
+    from bucketlimit._web import limits as web
+
+    for limit in list(web._LIVE):
+        limiter = limit.limiter
+        if isinstance(limiter, TokenBucketLimiter):
+            limiter.clear()
+
+
 try:
     import pytest
 except ImportError:  # pragma: no cover - pytest is only needed for the fixture
@@ -119,3 +214,11 @@ else:
     def manual_clock() -> ManualClock:
         """A fresh ``ManualClock`` starting at 0.0."""
         return ManualClock()
+
+    @pytest.fixture
+    def limits_clock() -> Iterator[ManualClock]:
+        """Every web limit on a fresh ``ManualClock`` with empty state for the test
+        (:func:`limits_on_clock`); each gets its own limiter back afterwards."""
+        clock = ManualClock()
+        with limits_on_clock(clock):
+            yield clock

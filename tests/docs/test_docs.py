@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ EXPECTED_BLOCKS: dict[str, int] = {
     "docs/design.md": 1,
     "docs/metrics.md": 2,
     "docs/redis.md": 6,
-    "docs/web.md": 5,
+    "docs/web.md": 10,
 }
 #: Of those, the blocks that need a Redis server.
 EXPECTED_REDIS_BLOCKS: dict[str, int] = {"README.md": 1, "docs/redis.md": 3, "docs/web.md": 1}
@@ -124,7 +126,12 @@ def test_doc_block_runs(block: Block, request: pytest.FixtureRequest) -> None:
         url: str = request.getfixturevalue("redis_url")
         monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
         monkeypatch.setenv("REDIS_URL", url)
-    namespace: dict[str, Any] = {"__name__": "doc_block"}
+    # A real module, importable by name while it runs: frameworks that read a
+    # handler's module to resolve its annotations (Litestar) find it.
+    module = types.ModuleType("doc_block")
+    monkeypatch_modules: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
+    monkeypatch_modules.setitem(sys.modules, "doc_block", module)
+    namespace: dict[str, Any] = vars(module)
     exec(compile(block.code, f"{ROOT / block.path}:{block.line}", "exec"), namespace)
     for name, value in namespace.items():
         if name.startswith("test_") and callable(value):

@@ -1,3 +1,8 @@
 """The real redis-server fixtures (tests/support/redis_servers.py) for this layer."""
 
-from tests.support.redis_servers import *  # noqa: F403
+import pytest
+
+# The helpers' asserts report like the tests' own.
+pytest.register_assert_rewrite("tests.web.problem", "tests.web.sf")
+
+from tests.support.redis_servers import *  # noqa: E402, F403

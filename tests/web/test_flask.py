@@ -22,6 +22,7 @@ from bucketlimit.flask import (
     reservation,
 )
 from bucketlimit.testing import ManualClock
+from tests.web.problem import assert_problem
 
 PEER = "198.51.100.7"
 
@@ -65,20 +66,20 @@ def test_exact_fields_for_a_known_state(manual_clock: ManualClock) -> None:
     first = get(app)
     assert first.status_code == 200
     assert first.headers["RateLimit-Policy"] == '"per-client";q=10;w=5'
-    assert first.headers["RateLimit"] == '"per-client";r=9;t=1'  # full again in 0.5 s
+    assert first.headers["RateLimit"] == '"per-client";r=9;t=1'  # a 10th token in 0.5 s
     assert "Retry-After" not in first.headers
     for _ in range(8):
         get(app)
-    last = get(app)  # the 10th: nothing left, full in 10 / 2 = 5 s
-    assert last.headers["RateLimit"] == '"per-client";r=0;t=5'
+    last = get(app)  # the 10th: nothing left, the next token in 0.5 s
+    assert last.headers["RateLimit"] == '"per-client";r=0;t=1'
     manual_clock.advance(0.2)  # 0.4 tokens back: still refused, 0.3 s to wait
     refused = get(app)
     assert refused.status_code == 429
     assert refused.headers["Retry-After"] == "1"
     assert refused.headers["RateLimit-Policy"] == '"per-client";q=10;w=5'
     assert refused.headers["RateLimit"] == '"per-client";r=0;t=1'
-    assert refused.get_json() == {"error": "rate limited", "retry_after": 1}
-    assert refused.mimetype == "application/json"
+    assert_problem(refused.get_json(), 429, "per-client", 1)
+    assert refused.mimetype == "application/problem+json"
 
 
 @pytest.mark.parametrize("elapsed", [0.0, 0.1, 2.0, 3.3, 3.333333, 4.9])
@@ -105,9 +106,9 @@ def test_a_quota_that_never_refills_refuses_without_retry_after() -> None:
     assert ok.headers["RateLimit-Policy"] == '"trial";q=1'
     assert ok.headers["RateLimit"] == '"trial";r=0'
     refused = get(app)
-    assert refused.status_code == 429
+    assert refused.status_code == 403  # spent for good: a client must not retry
     assert "Retry-After" not in refused.headers
-    assert refused.get_json() == {"error": "rate limited", "retry_after": None}
+    assert_problem(refused.get_json(), 403, "trial", None)
     assert refused.headers["RateLimit"] == '"trial";r=0'
 
 
@@ -145,7 +146,7 @@ def test_a_key_function_returning_nothing_is_a_configuration_error(missing: str 
     def user_id(request: Any) -> str | None:
         return missing
 
-    app = make_app(Limit(limiter, key=user_id))
+    app = make_app(Limit(limiter, key=user_id))  # type: ignore[arg-type] # on purpose
     with pytest.raises(KeyFunctionError, match=r"user_id.*returned.*GET /hello"):
         get(app)
     assert len(limiter) == 0
@@ -189,7 +190,7 @@ def test_a_cost_function_reads_the_json_body_and_the_view_reads_it_again(
     answer = client.post("/v1/complete", json={"max_tokens": 300, "prompt": "hi"})
     assert answer.status_code == 200
     assert answer.get_json() == {"echo": {"max_tokens": 300, "prompt": "hi"}}
-    assert answer.headers["RateLimit"] == '"tokens";r=700;t=30'
+    assert answer.headers["RateLimit"] == '"tokens";r=700;t=1'
     assert tokens(limiter, "127.0.0.1") == 700
     refused = client.post("/v1/complete", json={"max_tokens": 701})
     assert refused.status_code == 429
@@ -205,13 +206,13 @@ def test_a_cost_above_the_capacity_never_passes_and_charges_nothing(
     assert get(app, "/hello?n=100").status_code == 200
     manual_clock.advance(7)  # 70 tokens back, 3 s from full
     refused = get(app, "/hello?n=101")
-    assert refused.status_code == 429
+    assert refused.status_code == 413  # more than the bucket holds: it can never pass
     assert "Retry-After" not in refused.headers
-    assert refused.get_json() == {"error": "rate limited", "retry_after": None}
-    assert refused.headers["RateLimit"] == '"default";r=70'
+    assert_problem(refused.get_json(), 413, "default", None)
+    assert refused.headers["RateLimit"] == '"default";r=70;t=1'
     assert tokens(limiter, PEER) == 70
     manual_clock.advance(3)
-    assert get(app, "/hello?n=101").headers["RateLimit"] == '"default";r=100'  # a full bucket
+    assert get(app, "/hello?n=101").headers["RateLimit"] == '"default";r=100;t=1'  # full
 
 
 def test_reserve_then_refund_inside_the_view(manual_clock: ManualClock) -> None:
@@ -298,7 +299,7 @@ def test_an_exempt_request_is_not_limited_charged_or_reported() -> None:
         assert "RateLimit-Policy" not in answer.headers
     assert tokens(limiter, PEER) == 1
     assert get(app, "/hello").status_code == 200
-    assert get(app, "/hello").status_code == 429
+    assert get(app, "/hello").status_code == 403  # the one token is spent for good
 
 
 def test_several_limits_on_one_route_are_one_field_each(manual_clock: ManualClock) -> None:
@@ -323,7 +324,7 @@ def test_a_refusal_by_one_limit_refunds_the_others(manual_clock: ManualClock) ->
     app = make_app(Limit(outer, name="outer"), Limit(inner, name="inner"))
     assert get(app).status_code == 200
     refused = get(app)
-    assert refused.status_code == 429
+    assert refused.status_code == 403
     assert refused.headers.getlist("RateLimit") == ['"outer";r=98, "inner";r=0']
     assert tokens(outer, PEER) == 99  # the refused request was given back
 
@@ -360,7 +361,7 @@ def test_the_extension_with_init_app_limits_every_route_and_error_responses() ->
     assert get(app, "/missing").headers["RateLimit"] == '"app";r=1'  # a 404 is a request too
     assert get(app, "/broken").status_code == 400
     refused = get(app, "/broken")
-    assert refused.status_code == 429  # refused before the view runs
+    assert refused.status_code == 403  # refused before the view runs (a spent quota)
     assert refused.headers["RateLimit"] == '"app";r=0'
     assert extension.shadow_refusals == 0
 
@@ -428,7 +429,7 @@ def test_the_redis_limiter_inside_flask(redis_url: str, manual_clock: ManualCloc
         answer = client.post("/v1/complete", json={"max_tokens": 400})
         assert answer.get_json() == {"refunded": 300}
         assert answer.headers["RateLimit-Policy"] == '"tokens";q=1000;w=100'
-        assert answer.headers["RateLimit"] == '"tokens";r=600;t=40'
+        assert answer.headers["RateLimit"] == '"tokens";r=600;t=1'
         refused = client.post("/v1/complete", json={"max_tokens": 901})
         assert refused.status_code == 429
         assert refused.headers["Retry-After"] == "1"
@@ -462,8 +463,8 @@ def test_the_example_app(monkeypatch: pytest.MonkeyPatch) -> None:
     bad = client.post("/v1/complete", json={"max_tokens": 50})
     assert bad.status_code == 400
     refused = client.get("/hello")
-    assert refused.status_code == 429
-    assert refused.get_json() == {"error": "rate limited", "retry_after": None}
+    assert refused.status_code == 403
+    assert_problem(refused.get_json(), 403, "requests", None)
 
 
 # -- waiting for tokens (issue 11) ----------------------------------------------

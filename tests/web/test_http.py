@@ -28,6 +28,7 @@ from bucketlimit._web.limits import (
 )
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
 from bucketlimit.testing import ManualClock
+from tests.web.problem import assert_problem
 
 # The subset of RFC 9651 the two fields use: a list of String items with Integer
 # parameters, members separated by "," and optional spaces.
@@ -88,13 +89,16 @@ def test_retry_after_is_the_ceiling_of_the_microsecond_wait(micros: int) -> None
 
 def test_a_refusal_that_can_never_pass_has_no_retry_after_and_says_null() -> None:
     never = Decision(False, math.inf, 0, math.inf, 3)
-    assert refusal_headers(never) == {}
-    assert refusal_body(never) == {"error": "rate limited", "retry_after": None}
-    assert refusal_headers(Decision(False, 1.2, 0, 4.0, 3)) == {"Retry-After": "2"}
-    assert refusal_body(Decision(False, 1.2, 0, 4.0, 3)) == {
-        "error": "rate limited",
-        "retry_after": 2,
+    assert refusal_headers(never) == {"Content-Type": "application/problem+json"}
+    assert_problem(refusal_body(Applied("q", never, None)), 403, "q", None)
+    too_big = Decision(False, math.inf, 3, 0.0, 3)
+    assert_problem(refusal_body(Applied("q", too_big, 3, 1.0, cost=4)), 413, "q", None)
+    later = Decision(False, 1.2, 0, 4.0, 3)
+    assert refusal_headers(later) == {
+        "Content-Type": "application/problem+json",
+        "Retry-After": "2",
     }
+    assert_problem(refusal_body(Applied("q", later, 4, 0.75)), 429, "q", 2)
 
 
 @pytest.mark.parametrize(
@@ -116,16 +120,26 @@ def test_window_is_the_time_to_refill_an_empty_bucket(
 
 
 def test_fields_for_an_allowed_request() -> None:
+    # 7 of 10 tokens and 0.5 of the 8th, 2 a second: full in 1.5 s, the 8th in 0.25 s.
     decision = Decision(True, 0.0, 7, 1.5, 10)
-    assert ratelimit_fields([Applied("per-ip", decision, 5)]) == {
+    assert ratelimit_fields([Applied("per-ip", decision, 5, 2.0)]) == {
         "RateLimit-Policy": '"per-ip";q=10;w=5',
-        "RateLimit": '"per-ip";r=7;t=2',
+        "RateLimit": '"per-ip";r=7;t=1',
     }
+    # 1 token a minute, 3.5 of 10 left, full in 6.5 minutes: the 4th comes in 30 s.
+    slow = Decision(True, 0.0, 3, 390.0, 10)
+    assert ratelimit_fields([Applied("slow", slow, 600, 1 / 60)])["RateLimit"] == (
+        '"slow";r=3;t=30'
+    )
+    full = Decision(True, 0.0, 10, 0.0, 10)  # full: a spent token is back in 1 / rate
+    assert ratelimit_fields([Applied("slow", full, 600, 1 / 60)])["RateLimit"] == (
+        '"slow";r=10;t=60'
+    )
 
 
 def test_a_refusal_reports_t_equal_to_retry_after() -> None:
     decision = Decision(False, 0.25, 0, 9.75, 10)
-    fields = ratelimit_fields([Applied("default", decision, 10)])
+    fields = ratelimit_fields([Applied("default", decision, 10, 1.0)])
     assert fields["RateLimit"] == '"default";r=0;t=1'
     assert refusal_headers(decision)["Retry-After"] == "1"
 
@@ -133,7 +147,8 @@ def test_a_refusal_reports_t_equal_to_retry_after() -> None:
 def test_a_refusal_for_a_larger_cost_reports_the_tokens_still_there() -> None:
     # 3 tokens left, the request wanted 5: r says 3 smaller requests would pass.
     decision = Decision(False, 2.0, 3, 7.0, 10)
-    assert ratelimit_fields([Applied("x", decision, 10)])["RateLimit"] == '"x";r=3;t=2'
+    # t is when a 4th token comes (1 s), before the Retry-After of the 5 asked for.
+    assert ratelimit_fields([Applied("x", decision, 10, 1.0)])["RateLimit"] == '"x";r=3;t=1'
 
 
 def test_a_quota_that_never_refills_has_neither_w_nor_t() -> None:
@@ -149,8 +164,8 @@ def test_a_quota_that_never_refills_has_neither_w_nor_t() -> None:
 def test_several_limits_are_one_field_with_one_member_each() -> None:
     fields = ratelimit_fields(
         [
-            Applied("burst", Decision(True, 0.0, 9, 0.5, 10), 5),
-            Applied("daily", Decision(True, 0.0, 999, 86.4, 1000), 86400),
+            Applied("burst", Decision(True, 0.0, 9, 0.5, 10), 5, 2.0),
+            Applied("daily", Decision(True, 0.0, 999, 86.4, 1000), 86400, 1000 / 86400),
         ]
     )
     assert fields == {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -99,6 +100,44 @@ def forwarded_client(
     return str(leftmost)
 
 
+def check_ipv6_prefix(ipv6_prefix: int) -> int:
+    """``ipv6_prefix`` must be an int from 0 to 128 (the bits an IPv6 key keeps)."""
+    if isinstance(ipv6_prefix, bool) or not isinstance(ipv6_prefix, int):
+        raise TypeError(f"ipv6_prefix must be an int, got {type(ipv6_prefix).__name__}")
+    if not 0 <= ipv6_prefix <= 128:
+        raise ValueError(f"ipv6_prefix must be from 0 to 128, got {ipv6_prefix}")
+    return ipv6_prefix
+
+
+def subnet_key(address: str, ipv6_prefix: int = 64) -> str:
+    """The key of a client address: IPv4 as it is, IPv6 as its ``/ipv6_prefix`` network.
+
+    One IPv6 host is handed a whole /64 (every home line and cloud machine gets
+    one), so keying by the full address would give it 2^64 buckets. IPv4-mapped
+    IPv6 (``::ffff:192.0.2.1``) is its IPv4 address. Text that is not an address
+    is kept as it is.
+
+    >>> subnet_key("2001:db8:1:2:aaaa::1"), subnet_key("::ffff:192.0.2.1")
+    ('2001:db8:1:2::/64', '192.0.2.1')
+    """
+    return _subnet_key(address, check_ipv6_prefix(ipv6_prefix))
+
+
+@functools.lru_cache(maxsize=8192)
+def _subnet_key(address: str, ipv6_prefix: int) -> str:
+    # Cached: parsing an address is most of the default key's cost, and a server
+    # sees the same peers again and again (the cache is bounded: a flood of new
+    # addresses only evicts).
+    parsed = _parse_address(address)
+    return address if parsed is None else _address_key(parsed, ipv6_prefix)
+
+
+def _address_key(address: Address, ipv6_prefix: int) -> str:
+    if isinstance(address, ipaddress.IPv4Address) or ipv6_prefix == 128:
+        return str(address)
+    return str(ipaddress.IPv6Network((address, ipv6_prefix), strict=False))
+
+
 R = TypeVar("R")  # the framework's request type
 
 
@@ -107,6 +146,7 @@ def client_address_key(
     peer: Callable[[R], str | None],
     forwarded_for: Callable[[R], Iterable[str]],
     missing: str,
+    ipv6_prefix: int = 64,
 ) -> Callable[[R], str]:
     """The adapters' ``client_address`` key function, for a framework that reads the
     peer address with ``peer(request)`` and the ``X-Forwarded-For`` lines with
@@ -114,18 +154,36 @@ def client_address_key(
 
     With no trusted proxies (the default) the key is the direct peer and
     ``X-Forwarded-For`` is ignored: a client cannot pick its own key by sending one.
-    Behind proxies, the key is the right-most hop that is not one of them.
+    Behind proxies, the key is the right-most hop that is not one of them. Either
+    way an IPv6 client is keyed by its ``/ipv6_prefix`` network (:func:`subnet_key`).
     """
     trusted = TrustedProxies(trusted_proxies)
+    prefix = check_ipv6_prefix(ipv6_prefix)
 
-    def key(request: R) -> str:
-        address = forwarded_client(peer(request), forwarded_for(request), trusted)
-        if address is None:
-            raise KeyFunctionError(
-                f"the request has no peer address ({missing}), so client_address() "
-                "cannot key it; give the limit another key="
-            )
-        return address
+    def no_peer() -> KeyFunctionError:
+        return KeyFunctionError(
+            f"the request has no peer address ({missing}), so client_address() "
+            "cannot key it; give the limit another key="
+        )
 
-    key.__qualname__ = f"client_address({list(map(str, trusted.networks))!r})"
+    if not trusted.networks:
+
+        def direct(request: R) -> str:
+            address = peer(request)
+            if address is None:
+                raise no_peer()
+            return _subnet_key(address, prefix)
+
+        key = direct
+    else:
+
+        def behind_proxies(request: R) -> str:
+            address = forwarded_client(peer(request), forwarded_for(request), trusted)
+            if address is None:
+                raise no_peer()
+            return _subnet_key(address, prefix)
+
+        key = behind_proxies
+    networks = list(map(str, trusted.networks))
+    key.__qualname__ = f"client_address({networks!r}, ipv6_prefix={prefix})"
     return key

@@ -1,20 +1,38 @@
 """A ``Decision`` as HTTP: ``Retry-After``, the ``RateLimit-Policy`` and ``RateLimit``
-fields of draft-ietf-httpapi-ratelimit-headers-11, and the 429 body."""
+fields of draft-ietf-httpapi-ratelimit-headers-11, and the refusal as an RFC 9457
+problem (docs/design.md §7; docs/web.md says why each value is what it is)."""
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import hmac
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from bucketlimit._core import Decision
 
 RATELIMIT = "RateLimit"
 RATELIMIT_POLICY = "RateLimit-Policy"
 RETRY_AFTER = "Retry-After"
+CONTENT_TYPE = "Content-Type"
+
+#: RFC 9457's media type: every refusal body is a problem document.
+PROBLEM_JSON = "application/problem+json"
+#: draft-11's problem type: the quota is used up for now; retry after ``Retry-After``.
+QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+#: The quota is spent and never refills (rate 0): retrying cannot help (403).
+QUOTA_SPENT = "tag:bucketlimit,2026:quota-spent"
+#: The request costs more than the whole bucket holds: it can never pass (413).
+COST_ABOVE_CAPACITY = "tag:bucketlimit,2026:cost-above-capacity"
 
 # RFC 9651 (structured fields): an Integer has at most 15 digits.
 _SF_INT_MAX = 999_999_999_999_999
+# pk: this many bytes of the HMAC-SHA256 of the key.
+_PK_BYTES = 12
 
 
 def retry_after_seconds(decision: Decision) -> int | None:
@@ -22,44 +40,52 @@ def retry_after_seconds(decision: Decision) -> int | None:
 
     ``None`` when the request can never pass (``retry_after`` is infinite: a rate-0
     quota, or a cost above the capacity). No value would be true then, and a huge
-    one makes well-behaved clients sleep for ever, so the field is left out and the
-    body says ``"retry_after": null``.
+    one makes well-behaved clients sleep for ever, so the field is left out, the
+    body says ``"retry_after": null`` and the status is not 429 (:func:`refusal_status`).
     """
     if math.isinf(decision.retry_after):
         return None
     return max(1, math.ceil(decision.retry_after))
 
 
+@functools.lru_cache(maxsize=1024)
 def window_seconds(capacity: int, rate: float) -> int | None:
     """The ``w`` of a token bucket: seconds for an empty bucket to fill again.
 
-    A token bucket is not a fixed window, so this is the honest reading of it:
     ``q`` (the capacity) per ``w`` seconds is the bucket's sustained rate, and a
-    full bucket admits a burst of ``q`` at once. A client that keeps to ``q``
-    per ``w`` is never refused. ``capacity / rate`` is rounded to the limiter's
-    own microsecond resolution first, so float noise in the rate (100 per 60 s
-    is 1.6666666666666667/s) cannot add a second, then up to whole seconds
-    (rounding up keeps the advertised rate at or below the real one). ``None``
-    (``w`` omitted) when the bucket never refills: a rate-0 quota has no window.
+    full bucket admits a burst of ``q`` at once. ``capacity / rate`` is rounded
+    to the limiter's own microsecond resolution first, so float noise in the rate
+    (100 per 60 s is 1.6666666666666667/s) cannot add a second, then up to whole
+    seconds (rounding up keeps the advertised rate at or below the real one).
+    ``None`` (``w`` omitted) when the bucket never refills: a rate-0 quota has no
+    window.
     """
     if rate <= 0:
         return None
     return max(1, math.ceil(round(capacity / rate, 6)))
 
 
-def _reset_seconds(decision: Decision) -> int | None:
-    """The ``t`` of the ``RateLimit`` field, or ``None`` to leave it out.
+def effective_window(decision: Decision, rate: float) -> int | None:
+    """The ``t`` of the ``RateLimit`` field: draft-11's *effective window*.
 
-    Refused: the same value as ``Retry-After`` (the draft asks that Retry-After
-    not point before the end of ``t``; equal values keep the two in step).
-    Allowed: ``ceil(reset_after)``, the seconds until the bucket is full, i.e.
-    until ``r`` is back to ``q``. Infinite (rate 0): no such time, ``t`` is omitted.
+    "The number of seconds within which the client can use no more than the
+    available quota": for a token bucket, the time until the bucket holds one
+    whole token more than ``r`` (before then, ``r`` is all there is). It is
+    ``reset_after`` (the time to full) less the time the other missing tokens
+    take, rounded to the limiter's microsecond, then up to whole seconds, at least
+    1: a client that waits ``t`` has the next token. A refusal's ``t`` is never
+    after its ``Retry-After`` (the draft asks that Retry-After not point before the
+    end of ``t``). ``None`` (``t`` omitted) when the bucket never refills.
     """
-    if not decision.allowed:
-        return retry_after_seconds(decision)
-    if math.isinf(decision.reset_after):
+    if rate <= 0 or math.isinf(decision.reset_after):
         return None
-    return math.ceil(decision.reset_after)
+    missing = decision.limit - decision.remaining - 1  # -1 when full: the next token after one
+    seconds = max(1, math.ceil(round(decision.reset_after - missing / rate, 6)))
+    if not decision.allowed:
+        retry = retry_after_seconds(decision)
+        if retry is not None:
+            seconds = min(seconds, retry)
+    return seconds
 
 
 def _sf_string(text: str) -> str:
@@ -69,51 +95,150 @@ def _sf_string(text: str) -> str:
 
 
 def _sf_int(value: int) -> int:
-    return min(max(value, 0), _SF_INT_MAX)
+    return value if 0 <= value <= _SF_INT_MAX else min(max(value, 0), _SF_INT_MAX)
 
 
-@dataclass(frozen=True)
-class Applied:
-    """One limit's answer for one request, as the RateLimit fields report it."""
+def partition_key(secret: bytes, name: str, key: str) -> bytes:
+    """The ``pk`` of a limit's key: opaque and not reversible without ``secret``.
+
+    An HMAC, not a plain hash: the key is often an IP address, and the hash of a
+    32-bit address is reversed by trying all of them.
+    """
+    message = f"{name}\x00{key}".encode("utf-8", "surrogatepass")
+    return hmac.new(secret, message, hashlib.sha256).digest()[:_PK_BYTES]
+
+
+@functools.lru_cache(maxsize=1024)
+def _quoted(name: str) -> str:
+    return _sf_string(name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _policy_item(name: str, limit: int, window: int | None) -> str:
+    item = f"{_sf_string(name)};q={_sf_int(limit)}"
+    return item if window is None else f"{item};w={_sf_int(window)}"
+
+
+class Applied(NamedTuple):
+    """One limit's answer for one request, as the RateLimit fields report it.
+
+    ``rate`` is the limiter's tokens per second (``t``); ``pk`` the partition key
+    (a Byte Sequence parameter on both fields) or ``None``; ``cost`` what the
+    request asked for (a cost above ``q`` is refused with 413).
+    """
 
     name: str
     decision: Decision
     window: int | None
+    rate: float = 0.0
+    pk: bytes | None = None
+    cost: int = 1
+
+    @classmethod
+    def of(
+        cls,
+        limiter: Any,
+        decision: Decision,
+        name: str = "default",
+        *,
+        cost: int = 1,
+        pk: bytes | None = None,
+    ) -> Applied:
+        """The answer ``decision`` of ``limiter`` (anything with ``capacity`` and
+        ``rate``) under the policy ``name``."""
+        rate = limiter.rate
+        return cls(name, decision, window_seconds(limiter.capacity, rate), rate, pk, cost)
+
+    def _pk(self) -> str:
+        return "" if self.pk is None else f";pk=:{base64.b64encode(self.pk).decode('ascii')}:"
 
     def policy_item(self) -> str:
-        item = f"{_sf_string(self.name)};q={_sf_int(self.decision.limit)}"
-        return item if self.window is None else f"{item};w={_sf_int(self.window)}"
+        return _policy_item(self.name, self.decision.limit, self.window) + self._pk()
 
     def limit_item(self) -> str:
-        item = f"{_sf_string(self.name)};r={_sf_int(self.decision.remaining)}"
-        reset = _reset_seconds(self.decision)
-        return item if reset is None else f"{item};t={_sf_int(reset)}"
+        item = f"{_quoted(self.name)};r={_sf_int(self.decision.remaining)}"
+        window = effective_window(self.decision, self.rate)
+        if window is not None:
+            item = f"{item};t={_sf_int(window)}"
+        return item if self.pk is None else item + self._pk()
 
 
 def ratelimit_fields(applied: Sequence[Applied]) -> dict[str, str]:
     """``RateLimit-Policy`` and ``RateLimit``: one field each, one list member per limit.
 
     >>> d = Decision(True, 0.0, 7, 1.5, 10)
-    >>> ratelimit_fields([Applied("per-ip", d, 5)])
-    {'RateLimit-Policy': '"per-ip";q=10;w=5', 'RateLimit': '"per-ip";r=7;t=2'}
+    >>> ratelimit_fields([Applied("per-ip", d, 5, rate=2.0)])
+    {'RateLimit-Policy': '"per-ip";q=10;w=5', 'RateLimit': '"per-ip";r=7;t=1'}
     """
     if not applied:
         return {}
+    if len(applied) == 1:
+        return {RATELIMIT_POLICY: applied[0].policy_item(), RATELIMIT: applied[0].limit_item()}
     return {
         RATELIMIT_POLICY: ", ".join(a.policy_item() for a in applied),
         RATELIMIT: ", ".join(a.limit_item() for a in applied),
     }
 
 
-def refusal_body(decision: Decision) -> dict[str, object]:
-    """The JSON body of a 429: ``{"error": "rate limited", "retry_after": 2}``.
+def refusal_status(applied: Applied) -> int:
+    """429 for a refusal that passes later; one that never can is answered so that
+    clients stop retrying: 413 (Content Too Large) for a cost above the capacity,
+    403 for a quota that never refills and is spent."""
+    if applied.cost > applied.decision.limit:
+        return 413
+    if math.isinf(applied.decision.retry_after):
+        return 403
+    return 429
 
-    ``retry_after`` is the ``Retry-After`` value, or ``null`` when the request can
-    never pass.
+
+_PROBLEMS = {
+    429: (QUOTA_EXCEEDED, "Too many requests: the quota is used up for now"),
+    403: (QUOTA_SPENT, "The quota is spent and does not refill"),
+    413: (COST_ABOVE_CAPACITY, "The request costs more than the quota can ever hold"),
+}
+
+
+def refusal_body(applied: Applied) -> dict[str, object]:
+    """The refusal as an RFC 9457 problem (``application/problem+json``).
+
+    ``type`` is draft-11's ``quota-exceeded`` for a 429, a bucketlimit type for a
+    request that can never pass; ``violated-policies`` names the refusing limit;
+    ``retry_after`` (an extension member) is the ``Retry-After`` value or ``null``.
     """
-    return {"error": "rate limited", "retry_after": retry_after_seconds(decision)}
+    status = refusal_status(applied)
+    kind, title = _PROBLEMS[status]
+    retry = retry_after_seconds(applied.decision)
+    if status == 413:
+        detail = f"costs {applied.cost}, and policy {applied.name!r} holds {applied.decision.limit}"
+    elif retry is None:
+        detail = f"policy {applied.name!r} is spent"
+    else:
+        detail = f"policy {applied.name!r} admits this request in {retry} s"
+    return {
+        "type": kind,
+        "title": title,
+        "status": status,
+        "detail": detail,
+        "violated-policies": [applied.name],
+        "retry_after": retry,
+    }
 
 
 def refusal_headers(decision: Decision) -> dict[str, str]:
+    """``Retry-After`` when the request passes later, and the problem's media type."""
     seconds = retry_after_seconds(decision)
-    return {} if seconds is None else {RETRY_AFTER: str(seconds)}
+    headers = {CONTENT_TYPE: PROBLEM_JSON}
+    if seconds is not None:
+        headers[RETRY_AFTER] = str(seconds)
+    return headers
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Everything an adapter writes for a refusal: status, headers (the RateLimit
+    fields, ``Retry-After``, ``Content-Type``) and the JSON body."""
+
+    status: int
+    headers: dict[str, str]
+    body: dict[str, object]
+    decision: Decision

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import inspect
-from typing import Protocol
+from collections.abc import Awaitable
+from typing import Protocol, runtime_checkable
 
 from bucketlimit._core import Decision
 
 
+@runtime_checkable
 class SyncLimiter(Protocol):
-    """What the adapters need from a limiter whose methods answer at once."""
+    """What the adapters need from a limiter whose methods answer at once
+    (``TokenBucketLimiter``, ``RedisTokenBucketLimiter``)."""
 
     @property
     def capacity(self) -> int: ...
@@ -20,6 +23,7 @@ class SyncLimiter(Protocol):
     def refund(self, key: str, cost: int) -> None: ...
 
 
+@runtime_checkable
 class AsyncLimiter(Protocol):
     """The same, with coroutine methods (``AsyncRedisTokenBucketLimiter``)."""
 
@@ -32,7 +36,22 @@ class AsyncLimiter(Protocol):
     async def refund(self, key: str, cost: int) -> None: ...
 
 
-AnyLimiter = SyncLimiter | AsyncLimiter
+@runtime_checkable
+class Limiter(Protocol):
+    """Any limiter an async adapter accepts: methods that answer at once or are
+    awaited. Every bucketlimit limiter is one; so is a class of your own with
+    these members."""
+
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def rate(self) -> float: ...
+    def allow(self, key: str, cost: int = 1) -> Decision | Awaitable[Decision]: ...
+    def peek(self, key: str, cost: int = 1) -> Decision | Awaitable[Decision]: ...
+    def refund(self, key: str, cost: int) -> Awaitable[None] | None: ...
+
+
+AnyLimiter = SyncLimiter | AsyncLimiter | Limiter
 
 
 def is_async_limiter(limiter: object) -> bool:

@@ -7,14 +7,26 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import secrets
 import threading
-from collections.abc import Callable, Generator
+import weakref
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, cast
 
 from bucketlimit import _errors
 from bucketlimit._core import Decision
-from bucketlimit._web.fields import Applied, ratelimit_fields, retry_after_seconds, window_seconds
+from bucketlimit._web.fields import (
+    Applied,
+    Refusal,
+    partition_key,
+    ratelimit_fields,
+    refusal_body,
+    refusal_headers,
+    refusal_status,
+    retry_after_seconds,
+    window_seconds,
+)
 from bucketlimit._web.limiters import AnyLimiter
 from bucketlimit._web.reservations import AsyncReservation, Reservation
 
@@ -41,8 +53,22 @@ Step = tuple[Callable[..., Any], tuple[Any, ...]]
 #: An adapter's procedure: yields steps, is sent their answers, returns its result.
 Procedure = Generator[Step, Any, T]
 
-KeyFunc = Callable[[R], Any]
-CostSpec = int | Callable[[R], Any]
+#: A key function: the request's bucket key (or an awaitable of it, in an async app).
+KeyFunc = Callable[[R], "str | Awaitable[str]"]
+#: A cost: an int, or a function of the request returning one (or an awaitable).
+CostFunc = Callable[[R], "int | Awaitable[int]"]
+CostSpec = int | CostFunc[R]
+#: An exemption: a predicate of the request (or an awaitable of one).
+ExemptFunc = Callable[[R], "bool | Awaitable[bool]"]
+#: What a plan function returns: the plan's limiter, or (policy name, limiter).
+Plan = AnyLimiter | tuple[str, AnyLimiter]
+#: A function of the request choosing the limiter (per plan, per API key).
+PlanFunc = Callable[[R], "Plan | Awaitable[Plan]"]
+
+# Every limit alive, for bucketlimit.testing (a fake clock, a reset between tests).
+_LIVE: weakref.WeakSet[LimitSettings[Any]] = weakref.WeakSet()
+# Called with each new limit (bucketlimit.testing.limits_on_clock puts it on the clock).
+_ON_CREATE: list[Callable[[LimitSettings[Any]], None]] = []
 
 
 if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
@@ -54,7 +80,8 @@ if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
         cost: CostSpec[R]
         name: str
         shadow: bool
-        exempt: Callable[[R], Any] | None
+        exempt: ExemptFunc[R] | None
+        pk: bool | bytes
         max_wait: float
 
 
@@ -90,11 +117,31 @@ def _check_name(name: str) -> str:
     return name
 
 
-class LimitSettings(Generic[R]):
-    """One limit: limiter, key function, cost, policy name, shadow mode, exemption,
-    and how long a request may wait for its tokens (``max_wait``, 0: refuse at once).
+def is_limiter(candidate: object) -> bool:
+    """True for a limiter (it has allow, peek and refund), false for a plan function."""
+    return all(callable(getattr(candidate, m, None)) for m in ("allow", "peek", "refund"))
 
-    The adapters subclass it; everything here is framework-free.
+
+def _check_pk(pk: bool | bytes) -> bytes | None:
+    if pk is True:
+        return secrets.token_bytes(32)
+    if pk is False:
+        return None
+    if isinstance(pk, bytes) and len(pk) >= 16:
+        return pk
+    if isinstance(pk, bytes):
+        raise ValueError(f"pk must be a secret of at least 16 bytes, got {len(pk)}")
+    raise TypeError(f"pk must be True, False or a secret (bytes), got {type(pk).__name__}")
+
+
+class LimitSettings(Generic[R]):
+    """One limit: limiter, key function, cost, policy name, shadow mode, exemption.
+
+    The adapters subclass it; everything here is framework-free. ``limiter`` is one
+    attribute, read on every request: assigning another limiter takes effect at
+    once. It may also be a function of the request that returns the limiter (a
+    plan's, built once), or ``(policy_name, limiter)`` to name the plan's policy
+    in the fields.
     """
 
     #: The key when none is given (each adapter's ``remote_address``).
@@ -102,21 +149,17 @@ class LimitSettings(Generic[R]):
 
     def __init__(
         self,
-        limiter: AnyLimiter,
+        limiter: AnyLimiter | PlanFunc[R],
         *,
         key: KeyFunc[R] | None = None,
         cost: CostSpec[R] = 1,
         name: str = "default",
         shadow: bool = False,
-        exempt: Callable[[R], Any] | None = None,
+        exempt: ExemptFunc[R] | None = None,
+        pk: bool | bytes = False,
         max_wait: float = 0,
     ) -> None:
-        max_wait = _check_max_wait(max_wait)
-        if max_wait and not callable(getattr(limiter, "acquire", None)):
-            raise TypeError(f"max_wait needs a limiter that can wait (acquire()): {limiter!r}")
-        for method in ("allow", "peek", "refund"):
-            if not callable(getattr(limiter, method, None)):
-                raise TypeError(f"limiter has no {method}() method: {limiter!r}")
+        self.max_wait = _check_max_wait(max_wait)
         if key is None:
             key = type(self).default_key
         if not callable(key):
@@ -128,27 +171,76 @@ class LimitSettings(Generic[R]):
                 raise ValueError(f"cost must be >= 1, got {cost}")
         if exempt is not None and not callable(exempt):
             raise TypeError(f"exempt must be a predicate of the request, got {exempt!r}")
-        self.check_limiter(limiter)
         self.limiter = limiter
         self.key = key
         self.cost = cost
         self.name = _check_name(name)
         self.shadow = bool(shadow)
         self.exempt = exempt
-        self.max_wait = max_wait
-        self.window = window_seconds(limiter.capacity, limiter.rate)
+        self._pk_secret = _check_pk(pk)
         self._lock = threading.Lock()
         self._shadow_refusals = 0
+        _LIVE.add(self)
+        for hook in _ON_CREATE:
+            hook(self)
+
+    @property
+    def limiter(self) -> AnyLimiter | PlanFunc[R]:
+        """The limiter (or the function choosing one); assign to replace it."""
+        return self._limiter
+
+    @limiter.setter
+    def limiter(self, limiter: AnyLimiter | PlanFunc[R]) -> None:
+        plan = not is_limiter(limiter)
+        if not plan:
+            self.check_limiter(cast(AnyLimiter, limiter))
+            self._check_can_wait(limiter)
+        elif not callable(limiter):
+            missing = next(m for m in ("allow", "peek", "refund") if not hasattr(limiter, m))
+            raise TypeError(
+                f"limiter has no {missing}() method, and is not a function of the request "
+                f"returning a limiter: {limiter!r}"
+            )
+        self._limiter = limiter
+        self._plan = plan
+
+    @property
+    def window(self) -> int | None:
+        """The ``w`` of the limiter's policy (``None`` for a plan function)."""
+        limiter = self._limiter
+        if not is_limiter(limiter):
+            return None
+        limiter = cast(AnyLimiter, limiter)
+        return window_seconds(limiter.capacity, limiter.rate)
 
     def check_limiter(self, limiter: AnyLimiter) -> None:
         """Refuses a limiter this adapter cannot drive (``TypeError``); any by default."""
+
+    def _check_can_wait(self, limiter: object) -> None:
+        if self.max_wait and not callable(getattr(limiter, "acquire", None)):
+            raise TypeError(f"max_wait needs a limiter that can wait (acquire()): {limiter!r}")
+
+    def chosen(self, plan: object) -> tuple[AnyLimiter, str]:
+        """The limiter and policy name a plan function returned, checked."""
+        name = self.name
+        if isinstance(plan, tuple) and len(plan) == 2:
+            name, plan = _check_name(plan[0]), plan[1]
+        if not is_limiter(plan):
+            raise ConfigurationError(
+                f"the plan function of limit {self.name!r} returned {plan!r}; it must "
+                "return a limiter or (policy name, limiter)"
+            )
+        limiter = cast(AnyLimiter, plan)
+        self.check_limiter(limiter)
+        self._check_can_wait(limiter)
+        return limiter, name
 
     @property
     def shadow_refusals(self) -> int:
         """Requests a shadow limit would have refused (always 0 when not shadow)."""
         return self._shadow_refusals
 
-    def checked_key(self, key: object, where: str) -> str:
+    def checked_key(self, key: object, where: object) -> str:
         """The key function's answer, or a :class:`KeyFunctionError` if there is none."""
         if isinstance(key, str) and key:
             return key
@@ -158,14 +250,15 @@ class LimitSettings(Generic[R]):
             "(a missing key would put all such requests in one shared bucket)"
         )
 
-    def can_never_pass(self, cost: int) -> bool:
-        """A cost above the capacity: refused with no retry time, not a server error.
+    @staticmethod
+    def can_never_pass(cost: int, limiter: AnyLimiter) -> bool:
+        """A cost above the capacity: refused for good (413), not a server error.
 
         The cost often comes from the client (the tokens it asks for), so a request
-        larger than the whole bucket is the client's problem: a 429 that says it will
-        never pass, rather than the ``ValueError`` the limiter raises.
+        larger than the whole bucket is the client's problem, rather than the
+        ``ValueError`` the limiter raises.
         """
-        return isinstance(cost, int) and not isinstance(cost, bool) and cost > self.limiter.capacity
+        return isinstance(cost, int) and not isinstance(cost, bool) and cost > limiter.capacity
 
     @staticmethod
     def never(full: Decision) -> Decision:
@@ -178,8 +271,12 @@ class LimitSettings(Generic[R]):
             return Decision(False, math.inf, full.limit, 0.0, full.limit)
         return Decision(False, math.inf, full.remaining, full.reset_after, full.limit)
 
-    def applied(self, decision: Decision) -> Applied:
-        return Applied(self.name, decision, self.window)
+    def applied(
+        self, decision: Decision, limiter: AnyLimiter, name: str, key: str, cost: int
+    ) -> Applied:
+        pk = None if self._pk_secret is None else partition_key(self._pk_secret, name, key)
+        rate = limiter.rate
+        return Applied(name, decision, window_seconds(limiter.capacity, rate), rate, pk, cost)
 
     def procedure(
         self,
@@ -190,13 +287,14 @@ class LimitSettings(Generic[R]):
     ) -> Procedure[tuple[H | None, bool]]:
         """Applies this limit to ``request``: the one procedure of every adapter.
 
-        It yields each call whose answer may have to be awaited (the app's key, cost
-        and exempt functions, the limiter, the refunds) as ``(function, args)``, to
-        be sent the answer: Flask drives it with :func:`run`, FastAPI with
-        :func:`run_async`. ``limits_of()`` is the request's :class:`RequestLimits`,
-        ``describe(request)`` says which request it is in logs and errors, ``hold``
-        makes the adapter's kind of reservation. Returns the reservation (``None``
-        when the request is exempt) and whether to answer 429.
+        It yields each call whose answer may have to be awaited (the app's key, cost,
+        exempt and plan functions, the limiter, the refunds) as ``(function, args)``,
+        to be sent the answer: Flask and Django's sync views drive it with
+        :func:`run`, the ASGI adapters with :func:`run_async`. ``limits_of()`` is the
+        request's :class:`RequestLimits`, ``describe(request)`` says which request it
+        is in logs and errors, ``hold`` makes the adapter's kind of reservation.
+        Returns the reservation (``None`` when the request is exempt) and whether
+        to refuse (``RequestLimits.refusal()`` says how).
         """
         if self.exempt is not None and (yield self.exempt, (request,)):
             return None, False
@@ -204,36 +302,38 @@ class LimitSettings(Generic[R]):
         found = limits.find(self)
         if found is not None:  # already applied to this request (app-wide and per route)
             return cast(H, found), False
-        where = describe(request)
+        where = _Where(describe, request)  # formatted only for an error or a log line
         key = self.checked_key((yield self.key, (request,)), where)
         cost = (yield self.cost, (request,)) if callable(self.cost) else self.cost
-        limiter = self.limiter
-        if self.can_never_pass(cost):
+        limiter, name = cast(AnyLimiter, self._limiter), self.name
+        if self._plan:  # a plan function: this request's limiter
+            limiter, name = self.chosen((yield cast(Step, (self._limiter, (request,)))))
+        if self.can_never_pass(cost, limiter):
             decision = self.never((yield limiter.peek, (key, limiter.capacity)))
         elif self.max_wait:  # wait for the tokens, or be refused at once (nothing spent)
-            decision = yield self.waiting(), (key, cost)
+            decision = yield self.waiting(limiter), (key, cost)
         else:
             decision = yield limiter.allow, (key, cost)
         held = hold(limiter, key, cost if decision.allowed else 0, decision)
-        limits.add(self, self.applied(decision), held)
+        limits.add(self, self.applied(decision, limiter, name, key, cost), held)
         if not self.refuses(decision, key, cost, where):
             return held, False
         for other in limits.others(self):  # the request did not run: refund the others
             yield other.cancel, ()
         return held, True
 
-    def waiting(self) -> Waiting:
+    def waiting(self, limiter: AnyLimiter) -> Waiting:
         """The step that waits up to ``max_wait`` for the tokens: ``acquire`` for a
         synchronous driver, ``acquire_async`` (when the limiter has it) for an async one."""
-        limiter: Any = self.limiter
+        waits: Any = limiter
         timeout = self.max_wait
-        acquire_async = getattr(limiter, "acquire_async", limiter.acquire)
+        acquire_async = getattr(waits, "acquire_async", waits.acquire)
         return Waiting(
-            lambda key, cost: limiter.acquire(key, cost, timeout=timeout),
+            lambda key, cost: waits.acquire(key, cost, timeout=timeout),
             lambda key, cost: acquire_async(key, cost, timeout=timeout),
         )
 
-    def refuses(self, decision: Decision, key: str, cost: int, where: str) -> bool:
+    def refuses(self, decision: Decision, key: str, cost: int, where: object) -> bool:
         """Whether to answer 429: counts and logs a shadow limit's would-be refusal."""
         if decision.allowed:
             return False
@@ -244,12 +344,28 @@ class LimitSettings(Generic[R]):
         logger.info(
             "shadow limit %r would refuse %s (key %r, cost %d, retry after %s s)",
             self.name,
-            where,
+            str(where),
             key,
             cost,
             retry_after_seconds(decision),
         )
         return False
+
+
+class _Where:
+    """Which request this is, in errors and logs: ``describe(request)`` when shown."""
+
+    __slots__ = ("describe", "request")
+
+    def __init__(self, describe: Callable[[Any], str], request: object) -> None:
+        self.describe = describe
+        self.request = request
+
+    def __str__(self) -> str:
+        return self.describe(self.request)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 @dataclass
@@ -293,6 +409,15 @@ class RequestLimits:
     def fields(self) -> dict[str, str]:
         return ratelimit_fields([e.applied for e in self.entries])
 
+    def refusal(self) -> Refusal:
+        """How to answer the refusal of the last limit applied (the one that refused):
+        its status (429, or 413/403 when it can never pass), the fields of every
+        limit with ``Retry-After`` and ``Content-Type``, and the problem body."""
+        applied = self.entries[-1].applied
+        headers = {**self.fields(), **refusal_headers(applied.decision)}
+        status = refusal_status(applied)
+        return Refusal(status, headers, refusal_body(applied), applied.decision)
+
     def reservation(self, name: str | None) -> Reservation | AsyncReservation:
         """The reservation of the limit called ``name`` (``None``: the only one)."""
         if name is not None:
@@ -308,38 +433,53 @@ class RequestLimits:
         raise LookupError(f"several limits apply to this request; name one of {names!r}")
 
 
+# Answers that are never awaitable: checked first, as inspect.isawaitable is slow.
+_PLAIN = frozenset({str, int, bool, type(None), Decision, tuple})
+
+
 async def run_async(procedure: Procedure[T]) -> T:
     """Drives a procedure for an asyncio framework: each step is called, and awaited
     when it answers with an awaitable (an ``async def`` key function, the asyncio
     Redis limiter); a :class:`Waiting` step waits with its asynchronous twin."""
-    return await _drive(procedure, waits_async=True)
-
-
-def run(procedure: Procedure[T]) -> T:
-    """Drives a procedure for a synchronous framework: the same loop run to its end at
-    once, without an event loop (nothing it awaits there can suspend); a
-    :class:`Waiting` step is called as it is (the thread sleeps)."""
-    coroutine = _drive(procedure, waits_async=False)
-    try:
-        coroutine.send(None)
-    except StopIteration as done:
-        return cast(T, done.value)
-    coroutine.close()
-    raise ConfigurationError(
-        "a key, cost or exempt function of a synchronous framework's limit waited on "
-        "something asynchronous; use a plain function there"
-    )
-
-
-async def _drive(procedure: Procedure[T], *, waits_async: bool) -> T:
     answer = None
     while True:
         try:
             function, args = procedure.send(answer)
         except StopIteration as done:
             return cast(T, done.value)
-        if waits_async and isinstance(function, Waiting):
+        if function.__class__ is Waiting:
             function = function.asynchronous
         answer = function(*args)
-        if inspect.isawaitable(answer):
+        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
             answer = await answer
+
+
+def run(procedure: Procedure[T]) -> T:
+    """Drives a procedure for a synchronous framework: each step is called; an
+    awaitable answer (an ``async def`` function) must finish without suspending,
+    since there is no event loop to wait on; a :class:`Waiting` step is called as it
+    is (the thread sleeps)."""
+    answer = None
+    while True:
+        try:
+            function, args = procedure.send(answer)
+        except StopIteration as done:
+            return cast(T, done.value)
+        answer = function(*args)
+        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
+            answer = _finish_now(answer)
+
+
+def _finish_now(awaitable: Awaitable[Any]) -> Any:
+    coroutine = awaitable.__await__()
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    close = getattr(coroutine, "close", None)
+    if close is not None:
+        close()
+    raise ConfigurationError(
+        "a key, cost or exempt function of a synchronous framework's limit waited on "
+        "something asynchronous; use a plain function there"
+    )

@@ -21,8 +21,13 @@ def _check_used(used: int) -> int:
 L = TypeVar("L")
 
 
+# One lock for every reservation: settling is rare and short, and a lock per
+# request would cost each request its creation.
+_SETTLE_LOCK = threading.Lock()
+
+
 class _ReservationBase(Generic[L]):
-    __slots__ = ("_limiter", "_lock", "_settled", "charged", "decision", "key")
+    __slots__ = ("_limiter", "_settled", "charged", "decision", "key")
 
     def __init__(self, limiter: L | None, key: str, charged: int, decision: Decision | None):
         self._limiter = limiter
@@ -32,7 +37,6 @@ class _ReservationBase(Generic[L]):
         #: The limiter's answer; ``None`` when the request was exempt.
         self.decision = decision
         self._settled = False
-        self._lock = threading.Lock()
 
     @property
     def allowed(self) -> bool:
@@ -44,7 +48,7 @@ class _ReservationBase(Generic[L]):
 
         A refused or exempt reservation holds nothing and is charged nothing."""
         _check_used(used)
-        with self._lock:
+        with _SETTLE_LOCK:
             if self._settled or self._limiter is None or not self.allowed:
                 self._settled = True
                 return 0

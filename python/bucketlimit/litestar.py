@@ -1,0 +1,103 @@
+"""Rate limits for Litestar: a middleware, app-wide or on any layer (router,
+controller, route handler).
+
+::
+
+    from litestar import Litestar, get
+    from bucketlimit import TokenBucketLimiter
+    from bucketlimit.litestar import Limit
+
+    per_client = Limit(TokenBucketLimiter(10, 1), name="per-client")
+    search = Limit(TokenBucketLimiter(2, 0.1), name="search")
+
+    @get("/search", middleware=[search.middleware])    # one route
+    async def do_search() -> str: ...
+
+    app = Litestar([do_search], middleware=[per_client.middleware])   # every request
+
+``limit.middleware`` is a ``DefineMiddleware`` of the pure ASGI
+:class:`bucketlimit.asgi.RateLimitMiddleware`, so Litestar's own layering applies
+it; key, cost and exempt functions receive a Litestar ``Request`` (an
+``ASGIConnection`` for a WebSocket) and may be ``async def``. The refusal and the
+fields are those of every adapter (docs/design.md §7); a WebSocket is limited at
+the handshake. Unlike Litestar's own ``RateLimitConfig`` the decision is one
+atomic step (in Redis too) and the fields are draft-11's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from litestar import Request
+from litestar.connection import ASGIConnection
+from litestar.middleware import DefineMiddleware
+
+from bucketlimit._web.addresses import Network, client_address_key
+from bucketlimit._web.limits import ConfigurationError, KeyFunctionError
+from bucketlimit._web.reservations import AsyncReservation, reserve_async
+from bucketlimit.asgi import (
+    AsgiLimit,
+    RateLimitMiddleware,
+    Receive,
+    Scope,
+    ratelimit_fields,
+    reservation,
+)
+
+__all__ = [
+    "AsyncReservation",
+    "ConfigurationError",
+    "KeyFunctionError",
+    "Limit",
+    "RateLimitMiddleware",
+    "client_address",
+    "ratelimit_fields",
+    "remote_address",
+    "reservation",
+    "reserve_async",
+]
+
+
+def client_address(
+    trusted_proxies: Iterable[str | Network] = (), *, ipv6_prefix: int = 64
+) -> Callable[[ASGIConnection[Any, Any, Any, Any]], str]:
+    """A key function: the client's IP address, an IPv6 client by its ``/64``.
+
+    With no trusted proxies (the default) it is the direct peer, ``request.client``,
+    and ``X-Forwarded-For`` is ignored. Behind proxies, list their networks; the key
+    is then the right-most ``X-Forwarded-For`` hop that is not one of them.
+    """
+    return client_address_key(
+        trusted_proxies,
+        lambda request: request.client.host if request.client is not None else None,
+        lambda request: request.headers.getall("x-forwarded-for", []),
+        "scope['client'] is None",
+        ipv6_prefix,
+    )
+
+
+#: The default key: the direct peer address (IPv6 by /64), ``X-Forwarded-For`` ignored.
+remote_address = client_address()
+
+
+class Limit(AsgiLimit[Any]):
+    """One limit for Litestar: put :attr:`middleware` on the app or any layer.
+
+    The same settings as every adapter: ``limiter`` (or a plan function), ``key``
+    (default :data:`remote_address`), ``cost``, ``name``, ``shadow``, ``exempt``,
+    ``pk`` (docs/web.md).
+    """
+
+    default_key = staticmethod(remote_address)
+
+    def connection(self, scope: Scope, receive: Receive) -> Any:
+        if scope["type"] == "http":
+            return Request(scope, receive)  # type: ignore[arg-type]
+        return ASGIConnection(scope)  # type: ignore[arg-type]
+
+    @property
+    def middleware(self) -> DefineMiddleware:
+        """This limit as Litestar middleware: ``middleware=[limit.middleware]``."""
+        # Pure ASGI: Litestar's stricter scope types describe the same messages.
+        return DefineMiddleware(RateLimitMiddleware, limit=self)  # type: ignore[arg-type]

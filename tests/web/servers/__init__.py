@@ -1,0 +1,1 @@
+"""Small apps the real-server tests run in a subprocess."""
