@@ -9,8 +9,8 @@ help: ## list the targets
 
 .PHONY: install
 install: ## build the extension (release) and install the package with its dev tools
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --upgrade pip  # --group (PEP 735 dependency groups) needs pip >= 25.1
+	$(PY) -m pip install -q -e . --group dev
 
 .PHONY: build
 build: ## rebuild the extension in place after a Rust change
