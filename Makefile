@@ -21,6 +21,15 @@ build: ## rebuild the extension in place after a Rust change
 	rm -f $(STALE_EXTENSIONS)
 	maturin develop --release --quiet
 
+.PHONY: wheel
+wheel: ## build dist/: the sdist and one stripped abi3 wheel for CPython 3.10+ on glibc 2.17+
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --group wheel
+	rm -f dist/bucketlimit-*
+	maturin build --release --zig --compatibility manylinux2014 --quiet --out dist
+	maturin sdist --out dist
+	@ls -l dist
+
 .PHONY: format
 format: ## fix what the linters can: ruff check --fix, ruff format, cargo fmt
 	ruff check --fix .
