@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 # Read by maturin's backend on every call: never fetch a toolchain.
 os.environ["MATURIN_NO_INSTALL_RUST"] = "1"
 
-import maturin  # noqa: E402  (the variable above must be set first)
+import maturin  # type: ignore[import-untyped]  # after the variable: read at import too
 
 NO_RUST = """
 bucketlimit: cannot build from source, `cargo` (Rust) is not on PATH.

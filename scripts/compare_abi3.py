@@ -47,8 +47,17 @@ def build(workdir: Path) -> dict[str, Path]:
     for name, flags in BUILDS.items():
         out = workdir / name
         subprocess.run(
-            ["maturin", "build", "--release", "--quiet", "-i", sys.executable, "-o", str(out)]
-            + flags,
+            [
+                "maturin",
+                "build",
+                "--release",
+                "--quiet",
+                "-i",
+                sys.executable,
+                "-o",
+                str(out),
+                *flags,
+            ],
             cwd=ROOT,
             check=True,
         )
@@ -56,9 +65,7 @@ def build(workdir: Path) -> dict[str, Path]:
         env = workdir / f"venv-{name}"
         venv.create(env, with_pip=True)
         python = env / "bin" / "python"
-        subprocess.run(
-            [python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True
-        )
+        subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True)
         print(f"{name}: {wheel.name}", flush=True)
         pythons[name] = python
     return pythons
