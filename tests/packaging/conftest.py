@@ -10,10 +10,12 @@ where ``.ci/run`` builds it first. ``BUCKETLIMIT_DIST`` names another folder.
 from __future__ import annotations
 
 import os
+import shutil
 import tarfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -31,11 +33,25 @@ BUILT_FROM = (
 )
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str) -> NoReturn:
     """Skips the test, or fails it under CI=true, where the check must run."""
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI=true: the packaging tests must run)", pytrace=False)
     pytest.skip(reason)
+
+
+def without_rust() -> dict[str, str]:
+    """This environment with no Rust toolchain reachable: PATH without cargo or rustc."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CARGO", "RUSTUP", "RUST"))}
+    folders = os.environ.get("PATH", "").split(os.pathsep)
+    env["PATH"] = os.pathsep.join(
+        folder
+        for folder in folders
+        if not any(shutil.which(tool, path=folder) for tool in ("cargo", "rustc"))
+    )
+    for tool in ("cargo", "rustc", "rustup"):
+        assert shutil.which(tool, path=env["PATH"]) is None, tool
+    return env
 
 
 @dataclass(frozen=True)

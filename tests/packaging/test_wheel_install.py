@@ -9,15 +9,13 @@ and fails under CI=true.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.packaging.conftest import Dist, unavailable
+from tests.packaging.conftest import Dist, unavailable, without_rust
 from tests.packaging.pythons import VERSIONS, find_python
 
 SMOKE = r"""
@@ -64,18 +62,9 @@ print("smoke ok", bucketlimit.__version__, sys.version.split()[0])
 """
 
 
-def without_rust() -> dict[str, str]:
-    """This environment with no Rust toolchain reachable: PATH without cargo or rustc."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CARGO", "RUSTUP", "RUST"))}
-    folders = os.environ.get("PATH", "").split(os.pathsep)
-    env["PATH"] = os.pathsep.join(
-        folder
-        for folder in folders
-        if not any(shutil.which(tool, path=folder) for tool in ("cargo", "rustc"))
-    )
-    for tool in ("cargo", "rustc", "rustup"):
-        assert shutil.which(tool, path=env["PATH"]) is None, tool
-    return env
+SIMULATE = ["simulate", "--capacity", "10", "--rate", "2", "--pattern", "burst", "--duration", "5"]
+# The wheel alone, from the file: no index, no dependencies (the core has none).
+OFFLINE = ("--quiet", "--no-index", "--no-deps", "--no-cache-dir")
 
 
 @pytest.mark.timeout(120)
@@ -84,26 +73,13 @@ def test_the_wheel_installs_and_runs_without_rust(version: str, dist: Dist, tmp_
     python = find_python(version)
     if python is None:
         unavailable(f"no CPython {version} found (pyenv's ~/.pyenv/versions/{version}.*)")
-    assert python is not None
     env = without_rust()
     venv = tmp_path / f"venv-{version}"
     subprocess.run([python, "-m", "venv", "--without-pip", venv], check=True, env=env)
     target = venv / "bin" / "python"
     # This suite's pip installs into the new environment (pip --python), offline.
     subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--python",
-            target,
-            "install",
-            "--quiet",
-            "--no-index",
-            "--no-deps",
-            "--no-cache-dir",
-            dist.wheel,
-        ],
+        [sys.executable, "-m", "pip", "--python", target, "install", *OFFLINE, dist.wheel],
         check=True,
         env=env,
         cwd=tmp_path,
@@ -114,20 +90,7 @@ def test_the_wheel_installs_and_runs_without_rust(version: str, dist: Dist, tmp_
     assert smoke.returncode == 0, smoke.stderr
     assert smoke.stdout.startswith("smoke ok"), smoke.stdout
     cli = subprocess.run(
-        [
-            target,
-            "-m",
-            "bucketlimit",
-            "simulate",
-            "--capacity",
-            "10",
-            "--rate",
-            "2",
-            "--pattern",
-            "burst",
-            "--duration",
-            "5",
-        ],
+        [target, "-m", "bucketlimit", *SIMULATE],
         capture_output=True,
         text=True,
         env=env,
