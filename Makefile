@@ -2,6 +2,9 @@
 # Run them inside a virtual environment (see README, "Development").
 .DEFAULT_GOAL := help
 PY ?= python
+# Extensions built in place before; one built per Python version (_core.cpython-311-….so)
+# would shadow the abi3 one (_core.abi3.so) that the build writes now.
+STALE_EXTENSIONS = $(wildcard python/bucketlimit/_core.*.so)
 
 .PHONY: help
 help: ## list the targets
@@ -9,12 +12,23 @@ help: ## list the targets
 
 .PHONY: install
 install: ## build the extension (release) and install the package with its dev tools
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --upgrade pip  # --group (PEP 735 dependency groups) needs pip >= 25.1
+	rm -f $(STALE_EXTENSIONS)
+	$(PY) -m pip install -q -e . --group dev
 
 .PHONY: build
 build: ## rebuild the extension in place after a Rust change
+	rm -f $(STALE_EXTENSIONS)
 	maturin develop --release --quiet
+
+.PHONY: wheel
+wheel: ## build dist/: the sdist and one stripped abi3 wheel for CPython 3.10+ on glibc 2.17+
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --group wheel
+	rm -f dist/bucketlimit-*
+	maturin build --release --zig --compatibility manylinux2014 --quiet --out dist
+	maturin sdist --out dist
+	@ls -l dist
 
 .PHONY: format
 format: ## fix what the linters can: ruff check --fix, ruff format, cargo fmt
