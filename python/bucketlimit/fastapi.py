@@ -135,28 +135,13 @@ def _register_handler(scope: Scope) -> None:
 class Limit(AsgiLimit[Any]):
     """One limit: a FastAPI dependency, or app-wide through :class:`RateLimitMiddleware`.
 
-    - ``limiter``: ``TokenBucketLimiter``, ``RedisTokenBucketLimiter`` or
-      ``AsyncRedisTokenBucketLimiter``, or a function of the request returning one
-      (a plan's limiter, built once), or ``(policy_name, limiter)``.
-    - ``key``: a function (or ``async def``) of the request returning a non-empty
-      ``str``; default :data:`remote_address`. ``None`` or ``""`` raises
-      :class:`KeyFunctionError` rather than sharing one bucket.
-    - ``cost``: an ``int`` or a function (or ``async def``) of the request, e.g.
-      ``(await request.json())["max_tokens"]``; the route can still read the body.
-      A cost above the capacity is refused with 413 (it can never pass).
-    - ``name``: the policy name in the RateLimit fields; distinct per route.
-    - ``shadow``: decide, charge, report (fields, log, :attr:`shadow_refusals`),
-      never refuse.
-    - ``exempt``: a predicate of the request; true means no limit, no charge, no
-      fields.
-    - ``max_wait``: seconds a request that would be refused may wait for its tokens
-      instead (awaited: ``acquire_async`` on the limiter's clock); 0, the default,
-      refuses at once. A wait longer than that is refused at once, spending nothing.
-    - ``pk``: ``True`` (or a shared secret, ``bytes``) adds draft-11's partition key.
-
-    As a dependency (HTTP and websocket routes) it returns the request's
-    :class:`AsyncReservation`. When several limits apply to a request and one
-    refuses, the others' charges are refunded: the request did not run.
+    The arguments are those of :class:`bucketlimit._web.limits.LimitSettings`
+    (docs/web.md); any limiter works, ``AsyncRedisTokenBucketLimiter`` included,
+    and its functions may be ``async def`` (e.g. a cost of
+    ``(await request.json())["max_tokens"]``: the route can still read the body).
+    A request waiting ``max_wait`` for its tokens awaits ``acquire_async``. As a
+    dependency (HTTP and websocket routes) it returns the request's
+    :class:`AsyncReservation`.
     """
 
     default_key = staticmethod(remote_address)

@@ -131,27 +131,11 @@ def _request_limits(request: Request) -> RequestLimits:
 class Limit(LimitSettings[Request]):
     """One limit: decorate views with it, or apply it to a whole app with :class:`RateLimit`.
 
-    - ``limiter``: ``TokenBucketLimiter`` or ``RedisTokenBucketLimiter``, or a
-      function of the request returning one (a plan's, built once), or
-      ``(policy_name, limiter)``.
-    - ``key``: a function of the request returning a non-empty ``str``; default
-      :data:`remote_address`. Returning ``None`` or ``""`` raises
-      :class:`KeyFunctionError` rather than sharing one bucket.
-    - ``cost``: an ``int`` or a function of the request (``request.get_json()``
-      works, and the view can read the body again). A cost above the capacity is
-      refused with 413 (it can never pass).
-    - ``name``: the policy name in the RateLimit fields; distinct per route.
-    - ``shadow``: decide, charge, report (headers, log, :attr:`shadow_refusals`),
-      never refuse.
-    - ``exempt``: a predicate of the request; true means no limit, no charge, no
-      fields.
-    - ``max_wait``: seconds a request that would be refused may wait for its tokens
-      instead (the worker sleeps, on the limiter's clock); 0, the default, refuses
-      at once. A wait longer than that is refused at once, spending nothing.
-    - ``pk``: ``True`` (or a shared secret, ``bytes``) adds draft-11's partition key.
-
-    When several limits apply to a request and one refuses, the others' charges
-    are refunded: the request did not run.
+    The arguments are those of :class:`bucketlimit._web.limits.LimitSettings`
+    (docs/web.md). In Flask the limiter is ``TokenBucketLimiter`` or
+    ``RedisTokenBucketLimiter`` (views are synchronous), a ``cost`` function may
+    read ``request.get_json()`` (the view can read the body again), and a request
+    waiting ``max_wait`` for its tokens keeps its worker asleep.
     """
 
     default_key = staticmethod(remote_address)

@@ -135,13 +135,30 @@ def _check_pk(pk: bool | bytes) -> bytes | None:
 
 
 class LimitSettings(Generic[R]):
-    """One limit: limiter, key function, cost, policy name, shadow mode, exemption.
+    """One limit, as every adapter's ``Limit`` takes it; everything here is
+    framework-free.
 
-    The adapters subclass it; everything here is framework-free. ``limiter`` is one
-    attribute, read on every request: assigning another limiter takes effect at
-    once. It may also be a function of the request that returns the limiter (a
-    plan's, built once), or ``(policy_name, limiter)`` to name the plan's policy
-    in the fields.
+    - ``limiter``: an in-process or Redis limiter, or a function of the request
+      returning one (a plan's, built once) or ``(policy_name, limiter)``. One
+      attribute, read on every request: assigning another takes effect at once.
+    - ``key``: a function of the request returning a non-empty ``str`` (default:
+      the adapter's ``remote_address``); ``None`` or ``""`` raises
+      :class:`KeyFunctionError` rather than sharing one bucket.
+    - ``cost``: an ``int`` or a function of the request; a cost above the
+      capacity is refused with 413 (it can never pass).
+    - ``name``: the policy name in the RateLimit fields; distinct per route.
+    - ``shadow``: decide, charge, report (fields, log, :attr:`shadow_refusals`),
+      never refuse.
+    - ``exempt``: a predicate of the request; true means no limit, no charge, no
+      fields.
+    - ``max_wait``: seconds a request that would be refused may wait for its
+      tokens instead, on the limiter's clock (0, the default: refuse at once); a
+      longer wait is refused at once, spending nothing.
+    - ``pk``: ``True`` (or a shared secret, ``bytes``) adds draft-11's partition key.
+
+    When several limits apply to a request and one refuses, the others' charges
+    are refunded: the request did not run. The functions may be ``async def``
+    where the framework is asyncio.
     """
 
     #: The key when none is given (each adapter's ``remote_address``).
@@ -441,45 +458,35 @@ async def run_async(procedure: Procedure[T]) -> T:
     """Drives a procedure for an asyncio framework: each step is called, and awaited
     when it answers with an awaitable (an ``async def`` key function, the asyncio
     Redis limiter); a :class:`Waiting` step waits with its asynchronous twin."""
-    answer = None
-    while True:
-        try:
-            function, args = procedure.send(answer)
-        except StopIteration as done:
-            return cast(T, done.value)
-        if function.__class__ is Waiting:
-            function = function.asynchronous
-        answer = function(*args)
-        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
-            answer = await answer
+    return await _drive(procedure, waits_async=True)
 
 
 def run(procedure: Procedure[T]) -> T:
-    """Drives a procedure for a synchronous framework: each step is called; an
-    awaitable answer (an ``async def`` function) must finish without suspending,
-    since there is no event loop to wait on; a :class:`Waiting` step is called as it
-    is (the thread sleeps)."""
-    answer = None
-    while True:
-        try:
-            function, args = procedure.send(answer)
-        except StopIteration as done:
-            return cast(T, done.value)
-        answer = function(*args)
-        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
-            answer = _finish_now(answer)
-
-
-def _finish_now(awaitable: Awaitable[Any]) -> Any:
-    coroutine = awaitable.__await__()
+    """Drives a procedure for a synchronous framework: the same loop, run to its end
+    at once without an event loop (an ``async def`` function must finish without
+    suspending); a :class:`Waiting` step is called as it is (the thread sleeps)."""
+    coroutine = _drive(procedure, waits_async=False)
     try:
         coroutine.send(None)
     except StopIteration as done:
-        return done.value
-    close = getattr(coroutine, "close", None)
-    if close is not None:
-        close()
+        return cast(T, done.value)
+    coroutine.close()
     raise ConfigurationError(
         "a key, cost or exempt function of a synchronous framework's limit waited on "
         "something asynchronous; use a plain function there"
     )
+
+
+async def _drive(procedure: Procedure[T], *, waits_async: bool) -> T:
+    """The one loop of both drivers."""
+    answer = None
+    while True:
+        try:
+            function, args = procedure.send(answer)
+        except StopIteration as done:
+            return cast(T, done.value)
+        if waits_async and function.__class__ is Waiting:
+            function = function.asynchronous
+        answer = function(*args)
+        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
+            answer = await answer
