@@ -20,6 +20,7 @@ import heapq
 import json
 import math
 import random
+import re
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -476,12 +477,23 @@ def _timestamp(text: str, where: str) -> int:
     except ValueError:
         pass
     try:
-        moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
+        moment = datetime.fromisoformat(_iso_for_python_3_10(text))
     except ValueError:
         raise SimulationError(
             f"{where}: time {text!r} is neither seconds nor an ISO 8601 date and time"
         ) from None
     return round(moment.timestamp() * 1e6) if moment.tzinfo else _naive_us(moment)
+
+
+# Python 3.10's fromisoformat reads only what isoformat writes: no "Z", and a
+# fraction of exactly 3 or 6 digits. 3.11 reads any ISO 8601 time.
+_ISO_FRACTION = re.compile(r"(T\d{2}:\d{2}:\d{2})\.(\d{1,6})(?=$|[+-])")
+
+
+def _iso_for_python_3_10(text: str) -> str:
+    if text.endswith("Z"):
+        text = text[:-1] + "+00:00"
+    return _ISO_FRACTION.sub(lambda m: f"{m[1]}.{m[2].ljust(6, '0')}", text, count=1)
 
 
 def _naive_us(moment: datetime) -> int:
