@@ -141,8 +141,20 @@ FAULT_ERRORS: Final = (
     OSError,
     asyncio.TimeoutError,  # not an OSError before Python 3.11
 )
-# Error replies redis-py has no class for, by their first word.
-FAULT_REPLIES: Final = ("BUSY ", "LOADING ", "MISCONF ", "NOREPLICAS ", "MASTERDOWN ")
+# Error replies the client has no class for, by their first word. valkey-py's
+# standalone client has none for the cluster replies (only its cluster client
+# parses them into AskError, TryAgainError, ...): a plain valkey.Valkey in front
+# of a cluster node sees MOVED as a bare ResponseError.
+FAULT_REPLIES: Final = (
+    "BUSY ",
+    "LOADING ",
+    "MISCONF ",
+    "NOREPLICAS ",
+    "MASTERDOWN ",
+    "TRYAGAIN ",
+    "CLUSTERDOWN ",
+)
+_CLUSTER_REPLIES: Final = ("MOVED ", "ASK ", "CROSSSLOT ")
 _TOO_OLD_REPLIES: Final = ("unknown command", "unknown subcommand")
 # What redis-py's cluster clients say, as a RedisClusterException, when no node
 # answers or the nodes they reached do not cover the slots: the store is down.
@@ -205,6 +217,8 @@ def classify(error: BaseException) -> str:
         reply = str(error)
         if reply.startswith(FAULT_REPLIES):
             return FAULT
+        if reply.startswith(_CLUSTER_REPLIES):
+            return CONFIG  # a cluster node behind a plain client (see FAULT_REPLIES)
         # EVALSHA renamed away, or Redis < 5 refusing writes after TIME in a script.
         if reply.startswith(_TOO_OLD_REPLIES) or "non deterministic" in reply:
             return CONFIG
@@ -216,7 +230,9 @@ def configuration_error(error: BaseException) -> ConfigurationError:
         hint = "check the client's username and password"
     elif isinstance(error, AuthorizationError):
         hint = "the Redis user needs EVALSHA, EVAL and DEL on keys starting with the prefix"
-    elif isinstance(error, (*AskError, *ClusterCrossSlotError, *ClusterException)):
+    elif isinstance(error, (*AskError, *ClusterCrossSlotError, *ClusterException)) or (
+        isinstance(error, ResponseError) and str(error).startswith(_CLUSTER_REPLIES)
+    ):
         hint = (
             "this is a Redis Cluster: use redis.cluster.RedisCluster or "
             "valkey.cluster.ValkeyCluster (or their asyncio twins), "
