@@ -87,6 +87,7 @@ def server_binary(name: str) -> str | None:
     binary = directory / "valkey-server"
     return str(binary) if binary.is_file() and os.access(binary, os.X_OK) else None
 
+
 # Seconds a server (or a cluster) may take to answer before the tests give up.
 READY_TIMEOUT = 20.0
 CLUSTER_SLOTS = 16384
@@ -377,7 +378,7 @@ def valkey_server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
     factory.stop_all()
 
 
-def command(client: redis.Redis, *args: str | int) -> Any:
+def command(client: redis.Redis, *args: str | int | bytes) -> Any:
     """A raw command (redis-py types ``execute_command`` loosely)."""
     return client.execute_command(*args)  # type: ignore[no-untyped-call]
 

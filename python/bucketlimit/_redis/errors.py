@@ -28,7 +28,6 @@ import asyncio
 import re
 from typing import TYPE_CHECKING, Final
 
-
 from bucketlimit import _errors
 from bucketlimit._redis import clients
 from bucketlimit._redis.clients import CLIENT_MODULES, errors
@@ -63,7 +62,6 @@ else:
     # are); with valkey-py alone, valkey-py's.
     _ResponseErrorBase = clients.base("ResponseError", Exception)
     _ConnectionErrorBase = clients.base("ConnectionError", ConnectionError)
-
 
 
 class CorruptBucketError(_ResponseErrorBase):

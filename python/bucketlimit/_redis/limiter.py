@@ -268,8 +268,8 @@ class RedisLimiter(Generic[C]):
         kinds = clients.kind(asyncio=self._asyncio)
         accepted = tuple(cls for kind in kinds for cls in (kind.standalone, kind.cluster))
         if lazy is None and not isinstance(client, accepted):
-            names = [f"{c.__module__}.{c.__qualname__}" for c in accepted]
-            names = ", ".join(names[:-1]) + " or " + names[-1]
+            each = [f"{c.__module__}.{c.__qualname__}" for c in accepted]
+            names = ", ".join(each[:-1]) + " or " + each[-1]
             raise TypeError(f"client must be a {names} (use {self._other}), got {type(client)}")
         capacity, p, unit = _core.exact_units(capacity, rate, per=per)
         if clock is not None and not callable(clock):
