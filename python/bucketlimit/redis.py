@@ -22,14 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from typing import Any, SupportsIndex
-
-import redis
-import redis.asyncio
-from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.asyncio.retry import Retry as AsyncRetry
-from redis.cluster import RedisCluster
-from redis.retry import Retry
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from bucketlimit._core import Decision
 from bucketlimit._redis.errors import (
@@ -55,14 +48,31 @@ __all__ = [
     "allow_all_async",
 ]
 
-SyncClient = redis.Redis | RedisCluster
-AsyncClient = redis.asyncio.Redis | AsyncRedisCluster
+if TYPE_CHECKING:
+    import redis
+    import redis.asyncio
+    import valkey
+    import valkey.asyncio
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+    from valkey.asyncio.cluster import ValkeyCluster as AsyncValkeyCluster
+    from valkey.cluster import ValkeyCluster
+
+    SyncClient = redis.Redis | RedisCluster | valkey.Valkey | ValkeyCluster
+    AsyncClient = (
+        redis.asyncio.Redis | AsyncRedisCluster | valkey.asyncio.Valkey | AsyncValkeyCluster
+    )
+else:
+    # Whichever libraries are installed (bucketlimit._redis.clients): redis-py,
+    # valkey-py or both; the names are for the type checker.
+    SyncClient = AsyncClient = Any
 
 
 class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
     """Token buckets in Redis, shared by every process using the same keys and prefix.
 
-    ``client`` is a ``redis.Redis`` or ``redis.cluster.RedisCluster`` as you built
+    ``client`` is a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (redis-py), or
+    a ``valkey.Valkey`` or ``valkey.cluster.ValkeyCluster`` (valkey-py), as you built
     it (timeouts, TLS, pool); turn its retries off (see docs/redis.md: a retried
     timeout can charge twice) or use :meth:`from_url`. ``capacity``, ``rate``,
     ``clock`` and ``per`` mean what they mean for
@@ -78,9 +88,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
     :meth:`check`) connects.
     """
 
-    _clients = (redis.Redis, RedisCluster)
-    _retry = Retry
-    _blocking_pool = redis.BlockingConnectionPool
+    _asyncio = False
     _other = "AsyncRedisTokenBucketLimiter for asyncio clients"
 
     def _drive(self, call: Call) -> Any:
@@ -129,13 +137,12 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
 
 
 class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
-    """:class:`RedisTokenBucketLimiter` for ``redis.asyncio`` clients: the methods
+    """:class:`RedisTokenBucketLimiter` for ``redis.asyncio`` and ``valkey.asyncio``
+    clients (standalone or cluster): the methods
     that talk to Redis are coroutines. Same buckets, keys, answers and failure
     handling (the breaker and caches take no lock across an ``await``)."""
 
-    _clients = (redis.asyncio.Redis, AsyncRedisCluster)
-    _retry = AsyncRetry
-    _blocking_pool = redis.asyncio.BlockingConnectionPool
+    _asyncio = True
     _other = "RedisTokenBucketLimiter for blocking clients"
 
     async def _drive(self, call: Call) -> Any:

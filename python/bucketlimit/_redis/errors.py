@@ -26,39 +26,52 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Final
-
-from redis.exceptions import (
-    AskError,
-    AuthenticationError,
-    AuthenticationWrongNumberOfArgsError,
-    AuthorizationError,
-    ClusterCrossSlotError,
-    ClusterError,
-    ExternalAuthProviderError,
-    InvalidResponse,
-    MaxConnectionsError,
-    NoPermissionError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisClusterException,
-    ResponseError,
-    SlotNotCoveredError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from typing import TYPE_CHECKING, Final
 
 from bucketlimit import _errors
+from bucketlimit._redis import clients
+from bucketlimit._redis.clients import CLIENT_MODULES, errors
+
+# One table for both clients: each name below is a tuple of that class from every
+# installed library (redis-py's and valkey-py's), so one isinstance check sorts
+# either client's errors.
+AskError: Final = errors("AskError")
+AuthenticationError: Final = errors("AuthenticationError", "AuthenticationWrongNumberOfArgsError")
+AuthorizationError: Final = errors("AuthorizationError", "NoPermissionError")
+ClusterCrossSlotError: Final = errors("ClusterCrossSlotError")
+ClusterError: Final = errors("ClusterError")
+ExternalAuthProviderError: Final = errors("ExternalAuthProviderError")  # redis-py only
+InvalidResponse: Final = errors("InvalidResponse")
+MaxConnectionsError: Final = errors("MaxConnectionsError")
+NoPermissionError: Final = errors("NoPermissionError")
+NoScriptError: Final = errors("NoScriptError")
+OutOfMemoryError: Final = errors("OutOfMemoryError")
+ReadOnlyError: Final = errors("ReadOnlyError")
+ClusterException: Final = errors("RedisClusterException", "ValkeyClusterException")
+ResponseError: Final = errors("ResponseError")
+SlotNotCoveredError: Final = errors("SlotNotCoveredError")
+TryAgainError: Final = errors("TryAgainError")
+ClientConnectionError: Final = errors("ConnectionError")
+ClientTimeoutError: Final = errors("TimeoutError")
+
+if TYPE_CHECKING:
+    from redis.exceptions import ConnectionError as _ConnectionErrorBase
+    from redis.exceptions import ResponseError as _ResponseErrorBase
+else:
+    # With redis-py installed these are its classes (and valkey-py's too, when both
+    # are); with valkey-py alone, valkey-py's.
+    _ResponseErrorBase = clients.base("ResponseError", Exception)
+    _ConnectionErrorBase = clients.base("ConnectionError", ConnectionError)
 
 
-class CorruptBucketError(ResponseError):
+class CorruptBucketError(_ResponseErrorBase):
     """A bucket's key holds a value the script does not recognise as a bucket.
 
     Such a value is never read as an allow. It is a store fault, counted in
     ``stats()["store_errors"]``: under ``on_store_error="raise"`` the call raises
     this error; under every other policy the call is refused (``degraded=True``).
-    It is a ``redis.exceptions.ResponseError``, so code catching store errors sees it.
+    It is a ``ResponseError`` of the installed client libraries (redis-py's, and
+    valkey-py's when it is installed), so code catching store errors sees it.
     """
 
 
@@ -74,12 +87,13 @@ class ConfigurationError(_errors.ConfigurationError):
     """
 
 
-class StoreUnavailableError(RedisConnectionError):
+class StoreUnavailableError(_ConnectionErrorBase):
     """Under ``on_store_error="raise"``: the store failed moments ago and the breaker
     skips it until ``retry_interval`` has passed, so no command was sent.
 
-    A ``redis.exceptions.ConnectionError``, so code catching the client's errors
-    catches it too.
+    A ``ConnectionError`` of the installed client libraries (redis-py's, and
+    valkey-py's when it is installed), so code catching the client's errors catches
+    it too.
     """
 
 
@@ -107,33 +121,44 @@ _POOL_TIMEOUT: Final = "No connection available."
 
 # Checked before FAULT_ERRORS: redis-py's authentication errors are ConnectionErrors.
 _CONFIG_ERRORS: Final = (
-    AuthenticationError,  # NOAUTH, WRONGPASS, invalid password
-    AuthenticationWrongNumberOfArgsError,
-    AuthorizationError,
-    ExternalAuthProviderError,
-    NoPermissionError,  # NOPERM: an ACL forbids a command or a key
-    AskError,  # MOVED or ASK: a cluster node behind a plain redis.Redis
-    ClusterCrossSlotError,  # CROSSSLOT: keys of one call in different slots
-    InvalidResponse,  # whatever answers does not speak the Redis protocol
+    *AuthenticationError,  # NOAUTH, WRONGPASS, invalid password
+    *AuthorizationError,  # and NOPERM: an ACL forbids a command or a key
+    *ExternalAuthProviderError,
+    *AskError,  # MOVED or ASK: a cluster node behind a plain client
+    *ClusterCrossSlotError,  # CROSSSLOT: keys of one call in different slots
+    *InvalidResponse,  # whatever answers does not speak the Redis protocol
 )
 FAULT_ERRORS: Final = (
-    RedisConnectionError,  # refused, reset, closed; LOADING (BusyLoadingError); max clients
-    RedisTimeoutError,
-    ReadOnlyError,  # a replica after a failover
-    OutOfMemoryError,  # OOM: maxmemory reached
-    ClusterError,  # CLUSTERDOWN, MASTERDOWN
-    TryAgainError,  # TRYAGAIN: a slot being migrated
-    SlotNotCoveredError,
+    *ClientConnectionError,  # refused, reset, closed; LOADING (BusyLoadingError); max clients
+    *ClientTimeoutError,
+    *ReadOnlyError,  # a replica after a failover
+    *OutOfMemoryError,  # OOM: maxmemory reached
+    *ClusterError,  # CLUSTERDOWN, MASTERDOWN
+    *TryAgainError,  # TRYAGAIN: a slot being migrated
+    *SlotNotCoveredError,
     OSError,
     asyncio.TimeoutError,  # not an OSError before Python 3.11
 )
-# Error replies redis-py has no class for, by their first word.
-FAULT_REPLIES: Final = ("BUSY ", "LOADING ", "MISCONF ", "NOREPLICAS ", "MASTERDOWN ")
+# Error replies the client has no class for, by their first word. valkey-py's
+# standalone client has none for the cluster replies (only its cluster client
+# parses them into AskError, TryAgainError, ...): a plain valkey.Valkey in front
+# of a cluster node sees MOVED as a bare ResponseError.
+FAULT_REPLIES: Final = (
+    "BUSY ",
+    "LOADING ",
+    "MISCONF ",
+    "NOREPLICAS ",
+    "MASTERDOWN ",
+    "TRYAGAIN ",
+    "CLUSTERDOWN ",
+)
+_CLUSTER_REPLIES: Final = ("MOVED ", "ASK ", "CROSSSLOT ")
 _TOO_OLD_REPLIES: Final = ("unknown command", "unknown subcommand")
 # What redis-py's cluster clients say, as a RedisClusterException, when no node
 # answers or the nodes they reached do not cover the slots: the store is down.
 CLUSTER_OUTAGES: Final = (
     "Redis Cluster cannot be connected",
+    "Valkey Cluster cannot be connected",
     "All slots are not covered",
     "startup_nodes could not agree",
 )
@@ -148,10 +173,6 @@ def _raised_by_the_client(error: BaseException) -> bool:
         tb = tb.tb_next
     module = tb.tb_frame.f_globals.get("__name__", "")
     return isinstance(module, str) and module.startswith(CLIENT_MODULES)
-
-
-#: The client libraries whose internal errors are theirs, not a bug of the caller.
-CLIENT_MODULES: Final = ("redis.",)
 
 
 def _caused_by_fault(error: BaseException) -> bool:
@@ -171,10 +192,10 @@ def classify(error: BaseException) -> str:
     if isinstance(error, CorruptBucketError):
         return CORRUPT
     if isinstance(error, MaxConnectionsError) or (
-        type(error) is RedisConnectionError and str(error) == _POOL_TIMEOUT
+        type(error) in ClientConnectionError and str(error) == _POOL_TIMEOUT
     ):
         return EXHAUSTED
-    if type(error) is ClusterError and str(error) == _REDIRECT_STORM:
+    if type(error) in ClusterError and str(error) == _REDIRECT_STORM:
         return REDIRECTED
     if isinstance(error, _CONFIG_ERRORS):
         return CONFIG
@@ -184,7 +205,7 @@ def classify(error: BaseException) -> str:
         # redis-py's asyncio cluster client closing a connection another task is
         # using ("'NoneType' object has no attribute 'writelines'"): a lost connection.
         return FAULT
-    if isinstance(error, RedisClusterException):
+    if isinstance(error, ClusterException):
         # The cluster client found no node to ask (every node down or hung, slots
         # uncovered): an outage. Anything else it refuses before sending is a mistake.
         if _caused_by_fault(error) or str(error).startswith(CLUSTER_OUTAGES):
@@ -194,6 +215,8 @@ def classify(error: BaseException) -> str:
         reply = str(error)
         if reply.startswith(FAULT_REPLIES):
             return FAULT
+        if reply.startswith(_CLUSTER_REPLIES):
+            return CONFIG  # a cluster node behind a plain client (see FAULT_REPLIES)
         # EVALSHA renamed away, or Redis < 5 refusing writes after TIME in a script.
         if reply.startswith(_TOO_OLD_REPLIES) or "non deterministic" in reply:
             return CONFIG
@@ -201,13 +224,16 @@ def classify(error: BaseException) -> str:
 
 
 def configuration_error(error: BaseException) -> ConfigurationError:
-    if isinstance(error, (AuthenticationError, AuthenticationWrongNumberOfArgsError)):
+    if isinstance(error, AuthenticationError):
         hint = "check the client's username and password"
-    elif isinstance(error, (NoPermissionError, AuthorizationError)):
+    elif isinstance(error, AuthorizationError):
         hint = "the Redis user needs EVALSHA, EVAL and DEL on keys starting with the prefix"
-    elif isinstance(error, (AskError, ClusterCrossSlotError, RedisClusterException)):
+    elif isinstance(error, (*AskError, *ClusterCrossSlotError, *ClusterException)) or (
+        isinstance(error, ResponseError) and str(error).startswith(_CLUSTER_REPLIES)
+    ):
         hint = (
-            "this is a Redis Cluster: use redis.cluster.RedisCluster (or its asyncio twin), "
+            "this is a Redis Cluster: use redis.cluster.RedisCluster or "
+            "valkey.cluster.ValkeyCluster (or their asyncio twins), "
             "and keep the keys of one allow_all in one hash slot"
         )
     elif isinstance(error, InvalidResponse):
@@ -247,7 +273,7 @@ def check_version(info: object) -> None:
 _CORRUPT_REPLY: Final = "BUCKETLIMIT corrupt"
 
 
-def store_error(error: ResponseError, keys: list[bytes]) -> ResponseError:
+def store_error(error: BaseException, keys: list[bytes]) -> BaseException:
     """A reply saying a bucket's key holds something else, as a :class:`CorruptBucketError`.
 
     The script reports a string that is not a bucket by the key's position (a key

@@ -9,11 +9,10 @@ Redis key.
 
 from __future__ import annotations
 
+import binascii
 import re
 from collections.abc import Callable, Sequence
 from typing import Final
-
-from redis.crc import key_slot
 
 from bucketlimit import _core
 
@@ -31,6 +30,23 @@ def _encode(part: str) -> bytes:
     # str's own methods: a str subclass may override translate or encode, and a key
     # is its content (the in-process limiter reads the characters too).
     return str.encode(str.translate(part, _ESCAPES), "utf-8")
+
+
+#: The hash slots of a Redis (or Valkey) Cluster.
+CLUSTER_SLOTS: Final = 16384
+
+
+def key_slot(key: bytes) -> int:
+    """The cluster hash slot of ``key``, as the server computes it (``CLUSTER KEYSLOT``):
+    the CRC16 (XMODEM: polynomial 0x1021, initial value 0, which ``binascii.crc_hqx``
+    computes) of its hash tag, modulo 16384. The tag is what lies between the first
+    ``{`` and the first ``}`` after it, when that is not empty; else the whole key."""
+    start = key.find(b"{")
+    if start > -1:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    return binascii.crc_hqx(key, 0) % CLUSTER_SLOTS
 
 
 class Keys:

@@ -37,18 +37,19 @@ from typing import (
     cast,
 )
 
-from redis.backoff import NoBackoff
-from redis.crc import key_slot
-from redis.exceptions import ClusterError, NoPermissionError, NoScriptError, ResponseError
-
 from bucketlimit import _core
 from bucketlimit._core import Decision
+from bucketlimit._redis import clients
 from bucketlimit._redis.errors import (
     CONFIG,
     CORRUPT,
     EXHAUSTED,
     FAULT,
     REDIRECTED,
+    ClusterError,
+    NoPermissionError,
+    NoScriptError,
+    ResponseError,
     StoreUnavailableError,
     check_version,
     classify,
@@ -56,7 +57,7 @@ from bucketlimit._redis.errors import (
     read_only,
     store_error,
 )
-from bucketlimit._redis.keys import Keys, check_one_slot
+from bucketlimit._redis.keys import Keys, check_one_slot, key_slot
 from bucketlimit._redis.resilience import (
     CLOSED,
     LOCAL,
@@ -236,8 +237,8 @@ class Counters:
 class RedisLimiter(Generic[C]):
     """Configuration, keys and every operation's flow; the subclasses drive the flows.
 
-    A subclass names its clients (``_clients``: the standalone and the cluster
-    client class it accepts; ``_retry``: their Retry class; ``_other``: the class
+    A subclass names its clients (``_asyncio``: whether it takes the asyncio clients
+    of each installed library, see ``bucketlimit._redis.clients``; ``_other``: the class
     for the other kind) and drives flows (``_drive``), with blocking calls or with
     ``await``.
     """
@@ -245,9 +246,7 @@ class RedisLimiter(Generic[C]):
     # bucket.lua: allow_all runs it as it is; each limiter runs its own form
     # (specialize). A class attribute so that a test may swap it.
     _script: ClassVar[Script] = BUCKET_SCRIPT
-    _clients: ClassVar[tuple[type[Any], type[Any]]]
-    _retry: ClassVar[type[Any]]
-    _blocking_pool: ClassVar[type[Any]]
+    _asyncio: ClassVar[bool]
     _other: ClassVar[str]
 
     def __init__(
@@ -266,8 +265,11 @@ class RedisLimiter(Generic[C]):
         refusal_cache: bool = True,
     ) -> None:
         lazy: LazyClient | None = client if isinstance(client, LazyClient) else None
-        if lazy is None and not isinstance(client, self._clients):
-            names = " or ".join(f"{c.__module__}.{c.__qualname__}" for c in self._clients)
+        kinds = clients.kind(asyncio=self._asyncio)
+        accepted = tuple(cls for kind in kinds for cls in (kind.standalone, kind.cluster))
+        if lazy is None and not isinstance(client, accepted):
+            each = [f"{c.__module__}.{c.__qualname__}" for c in accepted]
+            names = ", ".join(each[:-1]) + " or " + each[-1]
             raise TypeError(f"client must be a {names} (use {self._other}), got {type(client)}")
         capacity, p, unit = _core.exact_units(capacity, rate, per=per)
         if clock is not None and not callable(clock):
@@ -285,7 +287,11 @@ class RedisLimiter(Generic[C]):
         # The client, or None until from_url's is built (_connect).
         self._client: C | None = None if lazy is not None else client
         self._lazy: LazyClient | None = lazy
-        self._cluster = lazy.cluster if lazy is not None else isinstance(client, self._clients[1])
+        self._cluster = (
+            lazy.cluster
+            if lazy is not None
+            else isinstance(client, tuple(kind.cluster for kind in kinds))
+        )
         self._client_lock = threading.Lock()
         self._capacity: int = capacity
         self._p: int = p
@@ -340,6 +346,9 @@ class RedisLimiter(Generic[C]):
         to answer, and no command retries (a command that failed may have run: a
         resend could charge twice). ``cluster=True`` builds a Redis Cluster client.
         ``options`` are the constructor's keyword arguments (``per``, ``prefix``, ...).
+        ``valkey://`` and ``valkeys://`` URLs get a valkey-py client; ``redis://``,
+        ``rediss://`` and ``unix://`` a redis-py client, or a valkey-py one when
+        redis-py is not installed (docs/redis.md, "Valkey").
 
         The client is built on first use (the first call, or reading ``client``),
         so nothing is sent here. A standalone client gets a blocking pool of
@@ -349,13 +358,15 @@ class RedisLimiter(Generic[C]):
             raise TypeError(f"timeout must be an int or float, got {type(timeout).__name__}")
         if not 0 < timeout < math.inf:
             raise ValueError(f"timeout must be finite and > 0 (seconds), got {timeout!r}")
+        library = clients.for_url(url)
+        kind = library.asyncio if cls._asyncio else library.sync
         settings: dict[str, Any] = {
             "socket_timeout": timeout,
             "socket_connect_timeout": timeout,
-            "retry": cls._retry(NoBackoff(), 0),
+            "retry": kind.retry(library.no_backoff(), 0),
         }
         if cluster:
-            cluster_class = cls._clients[1]
+            cluster_class = kind.cluster
             # redis-py's asyncio cluster client closes every connection (those other
             # tasks are using too) on each 5th MOVED by default: during a migration
             # that lost replies of scripts that ran. With 0 a MOVED only updates the
@@ -366,7 +377,7 @@ class RedisLimiter(Generic[C]):
                 return cluster_class.from_url(url, **settings)
 
         else:
-            client_class, pool_class = cls._clients[0], cls._blocking_pool
+            client_class, pool_class = kind.standalone, kind.blocking_pool
             # Built now (parsing the URL sends nothing): a bad URL fails here.
             pool = pool_class.from_url(
                 url, max_connections=DEFAULT_MAX_CONNECTIONS, timeout=timeout, **settings
