@@ -14,8 +14,9 @@ limiter is sent to the script instead (tests, single-clock setups).
 The two classes here only talk to the client: every operation is written once,
 free of I/O, in ``bucketlimit._redis.limiter`` (validation, keys, the script and
 its arguments, the refusal cache, the breaker, the failure policy, the answer,
-counting), as a flow of commands that :class:`RedisTokenBucketLimiter` sends with
-blocking calls and :class:`AsyncRedisTokenBucketLimiter` awaits.
+counting), as steps that leave a call pending on a command, which
+:class:`RedisTokenBucketLimiter` sends with a blocking call and
+:class:`AsyncRedisTokenBucketLimiter` awaits.
 """
 
 from __future__ import annotations

@@ -235,12 +235,12 @@ class Counters:
 
 
 class RedisLimiter(Generic[C]):
-    """Configuration, keys and every operation's flow; the subclasses drive the flows.
+    """Configuration, keys and the steps of every call; the subclasses drive calls.
 
     A subclass names its clients (``_asyncio``: whether it takes the asyncio clients
     of each installed library, see ``bucketlimit._redis.clients``; ``_other``: the class
-    for the other kind) and drives flows (``_drive``), with blocking calls or with
-    ``await``.
+    for the other kind) and drives calls (``_drive``), sending each command with a
+    blocking call or with ``await``.
     """
 
     # bucket.lua: allow_all runs it as it is; each limiter runs its own form
