@@ -1,4 +1,4 @@
-"""acquire_async / acquire_all_async (DESIGN §2): cancelled waiters give their
+"""acquire_async / acquire_all_async (docs/design.md §2): cancelled waiters give their
 tokens back, timeouts spend nothing, several event loops share one limiter.
 
 Accounting tests use a clock that stands still (a ManualClock read through a

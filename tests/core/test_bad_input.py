@@ -1,4 +1,4 @@
-"""DESIGN §3: every bad input gets a clear TypeError/ValueError and changes nothing.
+"""docs/design.md §3: every bad input gets a clear TypeError/ValueError and changes nothing.
 
 Each row is checked twice over: the exception is exactly the promised type
 (never a subclass such as OverflowError or UnicodeEncodeError, never a
@@ -236,7 +236,7 @@ def test_edges_of_the_exact_range_answer_exactly(capacity: int, rate: float) -> 
 
 
 def test_negative_zero_rate_is_rate_zero() -> None:
-    # DESIGN §3 rejects rate < 0; -0.0 is not below 0 (it equals 0.0).
+    # docs/design.md §3 rejects rate < 0; -0.0 is not below 0 (it equals 0.0).
     clock = ManualClock()
     limiter = TokenBucketLimiter(2, -0.0, clock=clock)
     twin = TokenBucketLimiter(2, 0.0, clock=clock)

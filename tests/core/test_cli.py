@@ -44,11 +44,11 @@ def table_row(output: str, name: str) -> tuple[int, int]:
 
 
 class ReferenceBucket:
-    """DESIGN §1/§4 in exact fractions: refill from elapsed time, spend when enough."""
+    """docs/design.md §1/§4 in exact fractions: refill from elapsed time, spend when enough."""
 
     def __init__(self, capacity: int, rate: float, per: float) -> None:
         self.capacity = Fraction(capacity)
-        # The shortest decimal form of rate and per, as DESIGN §4 prescribes.
+        # The shortest decimal form of rate and per, as docs/design.md §4 prescribes.
         self.per_micro = Fraction(repr(rate)) / Fraction(repr(per)) / 1_000_000
         self.tokens = self.capacity
         self.last = 0

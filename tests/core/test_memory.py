@@ -1,7 +1,7 @@
-"""DESIGN §5: full buckets are forgotten a little at a time; max_keys bounds the table.
+"""docs/design.md §5: full buckets are forgotten a little at a time; max_keys bounds the table.
 
 The sweeper's budget per call is the core's business; these tests hold it
-only to what DESIGN promises: memory follows the active keys within a number
+only to what docs/design.md promises: memory follows the active keys within a number
 of calls proportional to the table (bounded here generously), a second
 identical round costs no new memory, and max_keys never admits more than
 the contract allows nor resets a bucket that is not full.
@@ -167,7 +167,7 @@ def test_max_keys_warning_is_logged_once_not_per_call(caplog: pytest.LogCaptureF
 
 
 def test_max_keys_warning_uses_the_bucketlimit_logger(caplog: pytest.LogCaptureFixture) -> None:
-    # DESIGN §8: Rust logs under the logger name `bucketlimit`, so an
+    # docs/design.md §8: Rust logs under the logger name `bucketlimit`, so an
     # application configures logging.getLogger("bucketlimit") and gets it.
     caplog.set_level(logging.WARNING)
     limiter = TokenBucketLimiter(1, 0, clock=ManualClock(), max_keys=1)

@@ -1,4 +1,4 @@
-"""hypothesis: the limiter against the Fraction reference model (DESIGN §4-5).
+"""hypothesis: the limiter against the Fraction reference model (docs/design.md §4-5).
 
 Random configurations (decimal rates such as 0.1, 2.5 or 0.3, several `per`)
 and random traces (several keys, random costs, steps in whole microseconds, in

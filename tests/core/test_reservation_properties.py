@@ -1,4 +1,4 @@
-"""hypothesis: reservations against the Fraction reference model (DESIGN §2, §4).
+"""hypothesis: reservations against the Fraction reference model (docs/design.md §2, §4).
 
 Random traces mix ``allow``, ``peek``, ``reserve`` (with and without
 ``max_wait``), ``charge``, ``cancel`` and ``settle`` on several keys; the real
@@ -213,7 +213,7 @@ def test_waiting_the_delay_makes_the_tokens_there_and_one_microsecond_less_does_
 def assert_within_bound(config: Config, uses: list[tuple[int, int]]) -> None:
     """Over every window [t_i, t_j] the cost used is <= capacity + rate * (T + 1 µs).
 
-    The microsecond is the clock's granularity (DESIGN §4): each ready time is the
+    The microsecond is the clock's granularity (docs/design.md §4): each ready time is the
     exact one rounded up to a whole microsecond, so two of them can be up to 1 µs
     closer than exactly; the rounding never accumulates over a window.
     """
@@ -244,7 +244,7 @@ def test_tokens_used_at_their_ready_times_obey_the_bound(
     """Charges are left out: they record use that happened beyond the limit. Tokens
     are given back (cancel, settle below the estimate) only by the last reservation
     of a key: given back while others wait behind, they go to the next newcomer
-    while those behind keep their times, which the bound does not cover (DESIGN §4,
+    while those behind keep their times, which the bound does not cover (docs/design.md §4,
     "Giving back")."""
     run = Run(config, FakeClock(start))
     for op in trace:

@@ -1,4 +1,4 @@
-"""Reservations through the public API (DESIGN §2, §4): reserve, acquire, charge,
+"""Reservations through the public API (docs/design.md §2, §4): reserve, acquire, charge,
 cancel, settle, the *_all forms, the debt bound, and bad input. Time is a
 ManualClock, except where real threads sleep on the real clock."""
 

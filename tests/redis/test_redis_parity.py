@@ -6,7 +6,7 @@ asyncio class, and for ``allow_all`` over two limiters of different
 configurations.
 
 One seam: Redis expires a bucket on its own real clock, after the bucket's time
-to full "as if both clocks ran alike" (DESIGN §6). A ManualClock stands still
+to full "as if both clocks ran alike" (docs/design.md §6). A ManualClock stands still
 while real time runs, so a bucket a millisecond from full could expire between
 two steps of a trace and answer as full a step early. These tests therefore run
 the real script with its smallest TTL raised to ten minutes (``PinnedScript``):

@@ -1,4 +1,4 @@
-"""The failure side of the Redis limiters without a misbehaving server (DESIGN §6).
+"""The failure side of the Redis limiters without a misbehaving server (docs/design.md §6).
 
 The breaker and the refusal cache on their own, with time as a parameter; how
 every error redis-py raises is sorted (store fault, corrupt bucket, configuration

@@ -1,4 +1,4 @@
-"""A reference model of the in-process limiter, written from DESIGN §2 and §4.
+"""A reference model of the in-process limiter, written from docs/design.md §2 and §4.
 
 It shares no code with the core: the exact rate comes from
 ``fractions.Fraction`` (a float by its shortest decimal form, ``repr``), time
@@ -16,7 +16,7 @@ from fractions import Fraction
 from typing import Protocol
 
 MICROS = 1_000_000
-#: DESIGN §4: a bucket owes at most this many capacities (the debt bound).
+#: docs/design.md §4: a bucket owes at most this many capacities (the debt bound).
 DEBT_CAPACITIES = 1000
 
 
@@ -89,7 +89,7 @@ def ceil_div(a: int, b: int) -> int:
 class ReferenceLimiter:
     """One limiter: exact integer buckets keyed by string, nothing evicted.
 
-    Keeping every bucket forever is deliberate: DESIGN §5 says a full bucket
+    Keeping every bucket forever is deliberate: docs/design.md §5 says a full bucket
     answers exactly like a missing one, so a limiter that forgets buckets
     must still agree with this model.
     """
@@ -186,7 +186,7 @@ class ReferenceLimiter:
         balance = self.balance_at(key, now)
         self.store(key, min(self.full, balance + cost * self.unit), now)
 
-    # -- reservations (DESIGN §4): the balance may go below zero -------------
+    # -- reservations (docs/design.md §4): the balance may go below zero -------------
 
     @property
     def floor(self) -> int:
@@ -244,7 +244,7 @@ class ReferenceLimiter:
 
 
 def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) -> Answer:
-    """DESIGN §2's ``allow_all``; each check carries its limiter's reading (µs).
+    """docs/design.md §2's ``allow_all``; each check carries its limiter's reading (µs).
 
     Every bucket is checked first; cost is spent from all only if all allow.
     """
@@ -301,7 +301,7 @@ def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) ->
 def reserve_all(
     checks: Sequence[tuple[ReferenceLimiter, str, int, int]], max_wait: int | None
 ) -> tuple[Answer, int | None]:
-    """DESIGN §2's ``reserve_all``: ``(limiter, key, cost, reading µs)`` checks, all or
+    """docs/design.md §2's ``reserve_all``: ``(limiter, key, cost, reading µs)`` checks, all or
     nothing; the delay is the longest (None: never)."""
     seen: list[tuple[ReferenceLimiter, str]] = []
     for limiter, key, cost, _ in checks:
