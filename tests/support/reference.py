@@ -243,30 +243,28 @@ class ReferenceLimiter:
         self.buckets.clear()
 
 
-def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) -> Answer:
-    """docs/design.md §2's ``allow_all``; each check carries its limiter's reading (µs).
-
-    Every bucket is checked first; cost is spent from all only if all allow.
-    """
+def _check(charges: Sequence[tuple[ReferenceLimiter, str, int]], what: str) -> None:
+    """Each check's cost, then whether its (limiter, key) came before, in order."""
     seen: list[tuple[ReferenceLimiter, str]] = []
-    for limiter, key, _ in checks:
+    for limiter, key, cost in charges:
         limiter.check_cost(cost)
         if any(other is limiter and other_key == key for other, other_key in seen):
             raise ValueError(f"duplicate (limiter, key): {key!r}")
         seen.append((limiter, key))
-    if not checks:
-        raise ValueError("allow_all needs at least one (limiter, key)")
+    if not charges:
+        raise ValueError(f"{what} needs at least one (limiter, key)")
 
-    answers: list[Answer] = []
-    balances: list[int] = []
-    for limiter, key, reading in checks:
-        now = limiter.observe(reading)
-        balance = limiter.balance_at(key, now)
-        balances.append(balance)
-        answers.append(limiter.decide(balance, cost)[0])
+
+def _all_or_nothing(
+    charges: Sequence[tuple[ReferenceLimiter, str, int]],
+    balances: list[int],
+    answers: list[Answer],
+) -> Answer:
+    """Spends every (limiter, key, cost) if every answer allowed, counts, and combines:
+    allowed if all allow; retry_after the longest refusal's; the rest from the bucket
+    with the fewest remaining tokens (the first on a tie)."""
     allowed = all(a.allowed for a in answers)
-
-    for limiter, key, _ in checks:
+    for limiter, key, cost in charges:
         if allowed:
             limiter.allowed += 1
             # Spent at the limiter's latest time (a limiter named twice may
@@ -281,9 +279,8 @@ def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) ->
         # reported as they stand, not as if charged.
         answers = [
             limiter.describe(balance, True, 0) if answer.allowed else answer
-            for (limiter, _, _), balance, answer in zip(checks, balances, answers, strict=True)
+            for (limiter, _, _), balance, answer in zip(charges, balances, answers, strict=True)
         ]
-
     tightest = answers[0]
     for answer in answers[1:]:
         if answer.remaining < tightest.remaining:  # first one wins a tie
@@ -298,19 +295,30 @@ def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) ->
     )
 
 
+def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) -> Answer:
+    """docs/design.md §2's ``allow_all``; each check carries its limiter's reading (µs).
+
+    Every bucket is checked first; cost is spent from all only if all allow.
+    """
+    charges = [(limiter, key, cost) for limiter, key, _ in checks]
+    _check(charges, "allow_all")
+    answers: list[Answer] = []
+    balances: list[int] = []
+    for limiter, key, reading in checks:
+        now = limiter.observe(reading)
+        balance = limiter.balance_at(key, now)
+        balances.append(balance)
+        answers.append(limiter.decide(balance, cost)[0])
+    return _all_or_nothing(charges, balances, answers)
+
+
 def reserve_all(
     checks: Sequence[tuple[ReferenceLimiter, str, int, int]], max_wait: int | None
 ) -> tuple[Answer, int | None]:
     """docs/design.md §2's ``reserve_all``: ``(limiter, key, cost, reading µs)`` checks, all or
     nothing; the delay is the longest (None: never)."""
-    seen: list[tuple[ReferenceLimiter, str]] = []
-    for limiter, key, cost, _ in checks:
-        limiter.check_cost(cost)
-        if any(other is limiter and other_key == key for other, other_key in seen):
-            raise ValueError(f"duplicate (limiter, key): {key!r}")
-        seen.append((limiter, key))
-    if not checks:
-        raise ValueError("reserve_all needs at least one (limiter, key)")
+    charges = [(limiter, key, cost) for limiter, key, cost, _ in checks]
+    _check(charges, "reserve_all")
     answers: list[Answer] = []
     balances: list[int] = []
     delay: int | None = 0
@@ -321,30 +329,4 @@ def reserve_all(
         answer, own_delay, _ = limiter.reserve_from(balance, cost, max_wait)
         answers.append(answer)
         delay = None if delay is None or own_delay is None else max(delay, own_delay)
-    allowed = all(a.allowed for a in answers)
-    for limiter, key, cost, _ in checks:
-        if allowed:
-            limiter.allowed += 1
-            assert limiter.time is not None
-            now = limiter.time
-            limiter.store(key, limiter.balance_at(key, now) - cost * limiter.unit, now)
-        else:
-            limiter.refused += 1
-    if not allowed:
-        answers = [
-            limiter.describe(balance, True, 0) if answer.allowed else answer
-            for (limiter, _, _, _), balance, answer in zip(checks, balances, answers, strict=True)
-        ]
-    tightest = answers[0]
-    for answer in answers[1:]:
-        if answer.remaining < tightest.remaining:
-            tightest = answer
-    retry_after = max((a.retry_after for a in answers if not a.allowed), default=0.0)
-    combined = Answer(
-        allowed=allowed,
-        retry_after=retry_after,
-        remaining=tightest.remaining,
-        reset_after=tightest.reset_after,
-        limit=tightest.limit,
-    )
-    return combined, delay
+    return _all_or_nothing(charges, balances, answers), delay
