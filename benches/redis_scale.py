@@ -155,7 +155,15 @@ def server_rows(port: int, cell: bool) -> list[ServerRow]:
         ("refused", peers.REFUSED, ["user-refused"]),
     ]:
 
-        def add(name: str, allow: Callable[[str], object], allowed: Callable[[object], bool], top: tuple[str, ...] = ("evalsha", "eval"), prefix: str = "") -> None:
+        def add(
+            name: str,
+            allow: Callable[[str], object],
+            allowed: Callable[[object], bool],
+            top: tuple[str, ...] = ("evalsha", "eval"),
+            prefix: str = "",
+            workload: str = workload,
+            keys: list[str] = keys,
+        ) -> None:
             # Each row its own keys (limits' strategies share their key names).
             prefix = f"{len(rows)}:{prefix}"
             rows.append(ServerRow(name, workload, allow, allowed, [prefix + k for k in keys], top))
@@ -304,7 +312,11 @@ def client_section(port: int, s: Settings) -> dict[str, Any]:
             us = median(samples[name])
             # Ratio per repetition (the rows of one repetition ran back to back).
             ratios = [a / b for a, b in zip(samples[name], samples[names[0]], strict=True)]
-            out["rows"][name] = {"us": us, "x_trivial": us / base, "x_trivial_paired": median(ratios)}
+            out["rows"][name] = {
+                "us": us,
+                "x_trivial": us / base,
+                "x_trivial_paired": median(ratios),
+            }
             print(f"  {name:50} {us:7.1f} us  {us / base:5.2f}x  (paired {median(ratios):.2f}x)")
         print(f"  (median of {reps} interleaved runs, 1,000 keys mostly allowed; load {load()})")
         return out
@@ -509,23 +521,21 @@ def worker_main(args: argparse.Namespace) -> None:
             await close()
 
     done, latencies = asyncio.run(main())
-    print(json.dumps({"decisions": done, "latencies": latencies[:: max(1, len(latencies) // 20000)]}))
+    step = max(1, len(latencies) // 20000)  # a sample of them is enough for p50/p99
+    print(json.dumps({"decisions": done, "latencies": latencies[::step]}))
 
 
 def processes_run(name: str, port: int, seconds: float) -> dict[str, float]:
     admin = client(port)
     start_at = time.time() + 1.5  # after every worker has started and warmed up
+    command = [
+        sys.executable, "-m", "benches.redis_scale", "--worker", name, "--port", str(port),
+        "--tasks", str(PROCESS_TASKS), "--seconds", str(seconds), "--start-at", repr(start_at),
+    ]  # fmt: skip
     procs = [
         subprocess.Popen(
-            [
-                sys.executable, "-m", "benches.redis_scale", "--worker", name,
-                "--port", str(port), "--tasks", str(PROCESS_TASKS), "--seconds", str(seconds),
-                "--start-at", repr(start_at), "--offset", str(i * 250),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
+            [*command, "--offset", str(i * 250)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
         for i in range(PROCESSES)
     ]
     try:
@@ -607,7 +617,8 @@ def main() -> None:
         "versions": versions(),
     }
     print("== machine")
-    print(f"  {env['python']} on {env['platform']}, {env['cores']} cores; load {env['load_before']}")
+    print(f"  {env['python']} on {env['platform']}, {env['cores']} cores")
+    print(f"  load {env['load_before']}")
     print("  " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
     module = None if args.no_cell else redis_cell_module()
     if args.no_cell:

@@ -202,7 +202,10 @@ ABLATIONS: list[tuple[str, list[tuple[str, str]]]] = [
         [("'PX', string.format('%d', ttl))", "'PX', '1000000')")],
     ),
     ("- TIME", [("local t = redis.call('TIME')", "local t = {1796124679, 955000}")]),
-    ("- GET", [("local value = redis.call('GET', KEYS[i])", "local value = '999 1796124679955000'")]),
+    (
+        "- GET",
+        [("local value = redis.call('GET', KEYS[i])", "local value = '999 1796124679955000'")],
+    ),
     (
         "- SET (the write)",
         [("redis.call('SET', KEYS[i], bucket, 'PX', string.format('%d', ttl))", "local _ = ttl")],
@@ -219,8 +222,13 @@ ABLATIONS: list[tuple[str, list[tuple[str, str]]]] = [
     ("- the reply's table", [("return {longest, fewest, reset}", "return 0")]),
     (
         "only TIME + GET + SET PX of constants",
-        [("@all", "local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\n"
-          "redis.call('SET', KEYS[1], '999 1796124679955000', 'PX', '1000000')\nreturn 1")],
+        [
+            (
+                "@all",
+                "local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\n"
+                "redis.call('SET', KEYS[1], '999 1796124679955000', 'PX', '1000000')\nreturn 1",
+            )
+        ],
     ),
     ("trivial: return 1 (1 key)", [("@all", "return 1")]),
 ]

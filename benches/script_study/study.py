@@ -49,8 +49,8 @@ def piece_subjects(c: redis.Redis, per_batch: int) -> Subjects:
                 for i, key in enumerate(keys):
                     value = stored(i, short=piece.value == "short")
                     if piece.hash_value:
-                        b, l = value.split()
-                        pipe.hset(key, mapping={"b": b, "l": l})
+                        balance, last = value.split()
+                        pipe.hset(key, mapping={"b": balance, "l": last})
                     else:
                         pipe.set(key, value)
                 pipe.execute()
@@ -58,7 +58,10 @@ def piece_subjects(c: redis.Redis, per_batch: int) -> Subjects:
         counter = [0]
 
         def run(
-            sha: str = sha, piece: Piece = piece, keys: list[str] = keys, counter: list[int] = counter
+            sha: str = sha,
+            piece: Piece = piece,
+            keys: list[str] = keys,
+            counter: list[int] = counter,
         ) -> None:
             numkeys = piece.keys
             for _ in range(per_batch):
@@ -189,7 +192,27 @@ def form_subjects(c: redis.Redis, port: int, per_batch: int) -> Subjects:
             position[0] = n + per_batch
 
         subjects[f"{LIMITS} | {workload}"] = (run, per_batch, TOP)
+    # Bounds, not candidates (they answer nothing): what any script on the
+    # server's clock that reads a bucket and writes it back with a TTL pays before
+    # any arithmetic, and the call itself.
+    for name, lua in BOUNDS.items():
+        keys = keys_for(f"bound:{name}")
+        sha = c.script_load(lua)
+        subjects[f"{name} | allowed"] = (cycling(c, sha, keys, per_batch), per_batch, TOP)
     return subjects
+
+
+BOUNDS = {
+    "bound: TIME + GET + SET PX, a 3-integer reply, no arithmetic": (
+        "local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\n"
+        "redis.call('SET', KEYS[1], '999999999000000 1796124679955000', 'PX', '1000000')\n"
+        "return {0, 999999999, 1000000}"
+    ),
+    "bound: TIME + GET, a 3-integer reply (a refusal's commands)": (
+        "local t = redis.call('TIME')\nlocal v = redis.call('GET', KEYS[1])\nreturn {1, 0, 1000000}"
+    ),
+    "bound: trivial EVALSHA, 1 key (return 1)": "return 1",
+}
 
 
 # --- batches -----------------------------------------------------------------------
@@ -212,7 +235,10 @@ def batch_subjects(c: redis.Redis, per_batch: int) -> tuple[Subjects, dict[str, 
         position = [0]
 
         def run(
-            size: int = size, keys: list[str] = keys, calls: int = calls, position: list[int] = position
+            size: int = size,
+            keys: list[str] = keys,
+            calls: int = calls,
+            position: list[int] = position,
         ) -> None:
             n = position[0]
             for _ in range(calls):
@@ -261,9 +287,11 @@ def parity(c: redis.Redis, ops: int, seed: int = 13) -> dict[str, str]:
         for capacity, unit, p in PARITY_CONFIGS:
             # As the parity tests do: a TTL of at least a minute, so that no key
             # expires on the real clock while the trace runs on its own.
+            sources = [f.source(capacity, unit, p) for f in (current, variant)]
+            if not all(MIN_TTL in x for x in sources):
+                raise RuntimeError(f"{variant.name}: no {MIN_TTL!r} line to raise")
             shas = [
-                c.script_load(f.source(capacity, unit, p).replace(MIN_TTL, "local MIN_TTL_MS = 60000\n"))
-                for f in (current, variant)
+                c.script_load(x.replace(MIN_TTL, "local MIN_TTL_MS = 60000\n")) for x in sources
             ]
             now = 1_796_124_679_955_000
             keys = [f"parity:{variant.name}:{capacity}:{unit}:{p}:{i}" for i in range(3)]
@@ -305,7 +333,9 @@ def parity(c: redis.Redis, ops: int, seed: int = 13) -> dict[str, str]:
         shas = [c.script_load(f.source(*config(peers.ALLOWED))) for f in (current, variant)]
         clocked = [f"srv:{variant.name}:{i}" for i in range(2)]
         c.delete(*clocked)
-        replies = [c.execute_command("EVALSHA", sha, 1, k) for sha, k in zip(shas, clocked, strict=True)]
+        replies = [
+            c.execute_command("EVALSHA", sha, 1, k) for sha, k in zip(shas, clocked, strict=True)
+        ]
         compared += 1
         if [r[:2] for r in replies] != [[0, 999_999_999]] * 2:
             problems.append(f"server clock: {replies}")
@@ -360,8 +390,12 @@ def run_all(port: int, per_batch: int, batches: int, parity_ops: int) -> dict[st
     for workload, _ in WORKLOADS:
         limits = whole_forms[f"{LIMITS} | {workload}"].us
         for name, r in whole_forms.items():
-            if name.endswith(workload):
+            if name.endswith(workload) and not name.startswith("bound"):
                 print(row(name, r) + f"   {r.us / limits:4.2f}x limits")
+    limits = whole_forms[f"{LIMITS} | allowed"].us
+    for name, r in whole_forms.items():
+        if name.startswith("bound"):
+            print(row(name, r) + f"   {r.us / limits:4.2f}x limits (allowed)")
     out["forms"] = {name: as_dict(r) for name, r in whole_forms.items()}
 
     print(f"\n== study 4: one call deciding several allows (load {load()})")
