@@ -114,6 +114,22 @@ def config(q: peers.Quota) -> tuple[int, int, int]:
     return capacity, unit, per_micro
 
 
+# The peers' modules (benches/requirements.txt pins them; the dev environment of
+# `make install` does not have them: `pip install -r benches/requirements.txt`).
+PEER_MODULES = {"limits": "limits", "pyrate-limiter": "pyrate_limiter", "throttled-py": "throttled"}
+
+
+def installed(row: str) -> bool:
+    """Whether the peer a row names is importable (bucketlimit's rows always are)."""
+    for prefix, module in PEER_MODULES.items():
+        if row.startswith(prefix.split("-")[0]):
+            try:
+                __import__(module)
+            except ImportError:
+                return False
+    return True
+
+
 def versions() -> dict[str, str]:
     out = {}
     for dist in ["bucketlimit", "redis", "hiredis", "limits", "pyrate-limiter", "throttled-py"]:
@@ -186,9 +202,12 @@ def server_rows(port: int, cell: bool) -> list[ServerRow]:
             ("limits moving window", peers.limits_moving_redis),
             ("pyrate-limiter token bucket", peers.pyrate_redis),
         ]:
-            s = factory(q, port)
-            add(label, s.allow, s.allowed)
+            if installed(label):
+                s = factory(q, port)
+                add(label, s.allow, s.allowed)
         for using in ["token_bucket", "gcra", "fixed_window", "sliding_window", "leaking_bucket"]:
+            if not installed("throttled"):
+                break
             s = peers.throttled_redis(q, port, using)
             # Its fixed window sends INCRBY (and EXPIRE on a new window) itself, no script.
             top = ("incrby", "expire") if using == "fixed_window" else ("evalsha", "eval")
@@ -292,7 +311,8 @@ def client_section(port: int, s: Settings) -> dict[str, Any]:
             ),
         }
         for name, factory in peers.REDIS_PEERS.items():
-            rows[name] = factory(peers.ALLOWED, port).allow
+            if installed(name):
+                rows[name] = factory(peers.ALLOWED, port).allow
         # What the limiter itself costs in Python, with no I/O: a client whose
         # execute_command answers at once with the reply of an allowed call.
         rows["bucketlimit allow() on an instant stub client (no I/O)"] = RedisTokenBucketLimiter(
@@ -501,17 +521,21 @@ def print_async_table(results: dict[str, dict[str, Any]], columns: list[str]) ->
     print("  (decisions/s, p50/p99 latency per decision, server CPU us per decision)")
 
 
+def libraries() -> list[str]:
+    return [name for name in ASYNC_LIBRARIES if installed(name)]
+
+
 def asyncio_section(port: int, s: Settings) -> dict[str, Any]:
     print(f"\n== 3. one asyncio process: decisions/s by concurrent tasks (load {load()})")
     samples: dict[tuple[str, int], list[dict[str, float]]] = {}
     for rep in range(s.async_reps):
         for tasks in CONCURRENCY:
-            for name in rotate(ASYNC_LIBRARIES, rep + tasks):
+            for name in rotate(libraries(), rep + tasks):
                 r = one_async(name, port, tasks, s.async_seconds)
                 samples.setdefault((name, tasks), []).append(r)
         print(f"  repetition {rep + 1}/{s.async_reps} done (load {load()})", flush=True)
     results: dict[str, dict[str, Any]] = {}
-    for name in ASYNC_LIBRARIES:
+    for name in libraries():
         for tasks in CONCURRENCY:
             runs = samples[(name, tasks)]
             results.setdefault(name, {})[f"{tasks} tasks"] = {
@@ -581,11 +605,11 @@ def processes_section(port: int, s: Settings) -> dict[str, Any]:
     print(f"\n== 4. {PROCESSES} worker processes, {PROCESS_TASKS} tasks each (load {load()})")
     samples: dict[str, list[dict[str, float]]] = {}
     for rep in range(s.async_reps):
-        for name in rotate(ASYNC_LIBRARIES, rep):
+        for name in rotate(libraries(), rep):
             samples.setdefault(name, []).append(processes_run(name, port, s.async_seconds))
     results: dict[str, dict[str, Any]] = {
         name: {column: {key: median(r[key] for r in samples[name]) for key in samples[name][0]}}
-        for name in ASYNC_LIBRARIES
+        for name in libraries()
     }
     results[BATCHED] = {"note": NOT_BUILT}
     print_async_table(results, [column])
@@ -633,6 +657,12 @@ def main() -> None:
     print(f"  {env['python']} on {env['platform']}, {env['cores']} cores")
     print(f"  load {env['load_before']}")
     print("  " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()))
+    missing = [dist for dist, module in PEER_MODULES.items() if not installed(module)]
+    if missing:
+        print(
+            f"  note: {', '.join(missing)} not installed: their rows are left out"
+            " (pip install -r benches/requirements.txt)"
+        )
     module = None if args.no_cell else redis_cell_module()
     if args.no_cell:
         print("  note: redis-cell not measured (--no-cell)")
