@@ -547,13 +547,16 @@ def asyncio_section(port: int, s: Settings) -> dict[str, Any]:
 
 
 def worker_main(args: argparse.Namespace) -> None:
-    """One of the worker processes of section 4: prints one JSON line."""
+    """One of the worker processes of section 4: warms up, prints "ready", reads the
+    start time (time.time()) from stdin, runs, prints one JSON line."""
 
     async def main() -> tuple[int, list[float]]:
         allow, close = await async_subject(args.worker, args.port)
         try:
             await warm(allow, args.tasks)
-            return await drive(allow, args.tasks, args.start_at, args.seconds, args.offset)
+            print("ready", flush=True)
+            start_at = float(sys.stdin.readline())
+            return await drive(allow, args.tasks, start_at, args.seconds, args.offset)
         finally:
             await close()
 
@@ -564,18 +567,31 @@ def worker_main(args: argparse.Namespace) -> None:
 
 def processes_run(name: str, port: int, seconds: float) -> dict[str, float]:
     admin = client(port)
-    start_at = time.time() + 1.5  # after every worker has started and warmed up
     command = [
         sys.executable, "-m", "benches.redis_scale", "--worker", name, "--port", str(port),
-        "--tasks", str(PROCESS_TASKS), "--seconds", str(seconds), "--start-at", repr(start_at),
+        "--tasks", str(PROCESS_TASKS), "--seconds", str(seconds),
     ]  # fmt: skip
     procs = [
         subprocess.Popen(
-            [*command, "--offset", str(i * 250)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+            [*command, "--offset", str(i * 250)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for i in range(PROCESSES)
     ]
     try:
+        # Every worker started, connected and warmed up; then all start together.
+        for p in procs:
+            assert p.stdout is not None
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a worker for {name} did not start")
+        start_at = time.time() + 0.2
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(f"{start_at!r}\n")
+            p.stdin.flush()
         time.sleep(max(0.0, start_at - time.time()))
         cpu0 = server_cpu(admin)
         time.sleep(max(0.0, start_at + seconds - time.time()))
@@ -634,7 +650,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tasks", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args()
 

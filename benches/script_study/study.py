@@ -386,7 +386,8 @@ def run_all(port: int, per_batch: int, batches: int, parity_ops: int) -> dict[st
     out["ablations"] = {name: as_dict(r) for name, r in ablations.items()}
 
     print(f"\n== study 3: whole scripts next to limits' fixed window (load {load()})")
-    whole_forms = sample(c, form_subjects(c, port, per_batch), batches)
+    # The key comparison: three times the batches of the other studies.
+    whole_forms = sample(c, form_subjects(c, port, per_batch), 3 * batches)
     for workload, _ in WORKLOADS:
         limits = whole_forms[f"{LIMITS} | {workload}"].us
         for name, r in whole_forms.items():
