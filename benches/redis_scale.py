@@ -632,6 +632,68 @@ def processes_section(port: int, s: Settings) -> dict[str, Any]:
     return {"results": results, "load_after": load()}
 
 
+# --- markdown ------------------------------------------------------------------------------
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The run's tables in Markdown (for FINDINGS.md and docs/benchmarks.md)."""
+    env = results["machine"]
+    out = [
+        f"redis-server {env['versions']['redis-server']}, redis-py {env['versions']['redis']}"
+        f" + hiredis {env['versions']['hiredis']}; {env['python']}, {env['cores']} cores;"
+        f" load {env['load_before']} at the start, {env.get('load_after', '?')} at the end.",
+        "",
+    ]
+    server = results.get("server")
+    if server:
+        out += [
+            "| server µs per decision | allowed | refused | commands a decision runs |",
+            "| --- | ---: | ---: | --- |",
+        ]
+        for name, by in server["rows"].items():
+            inner = ", ".join(
+                f"{k} {v:g}" for k, v in sorted(by["allowed"]["inner_per_call"].items())
+            )
+            cells = [f"{by[w]['us']:.2f} ({by[w]['q25_us']:.2f})" for w in ("allowed", "refused")]
+            out.append(f"| {name} | {cells[0]} | {cells[1]} | {inner} |")
+        if "redis-cell CL.THROTTLE" not in server["rows"]:
+            out.append("| redis-cell CL.THROTTLE | not available | | |")
+        out.append("")
+    client_rows = results.get("client")
+    if client_rows:
+        out += [
+            "| client, one connection | µs per call | x trivial EVALSHA |",
+            "| --- | ---: | ---: |",
+        ]
+        for name, r in client_rows["rows"].items():
+            out.append(f"| {name} | {r['us']:.1f} | {r['x_trivial_paired']:.2f} |")
+        out.append("")
+    for section, title in [("asyncio", "one asyncio process"), ("processes", "4 processes")]:
+        block = results.get(section)
+        if not block:
+            continue
+        first = next(v for v in block["results"].values() if "note" not in v)
+        columns = list(first)
+        out += [
+            f"| {title}: decisions/s, p50/p99 ms, server CPU µs per decision | "
+            + " | ".join(columns)
+            + " |",
+            "| --- |" + " ---: |" * len(columns),
+        ]
+        for name, by in block["results"].items():
+            if "note" in by:
+                out.append(f"| {name} | " + " | ".join(["not available"] * len(columns)) + " |")
+                continue
+            cells = [
+                f"{r['decisions_per_s']:,.0f}; {r['p50_us'] / 1000:.1f}/{r['p99_us'] / 1000:.1f};"
+                f" {r['server_cpu_us_per_decision']:.1f}"
+                for r in by.values()
+            ]
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 # --- main ---------------------------------------------------------------------------------
 
 
@@ -644,6 +706,10 @@ def parse_args() -> argparse.Namespace:
         help="comma-separated subset of server,client,asyncio,processes,study",
     )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--markdown", type=Path, help="also write the tables here (Markdown)")
+    parser.add_argument(
+        "--from-json", type=Path, help="measure nothing: the Markdown tables of a --json file"
+    )
     parser.add_argument("--no-cell", action="store_true", help="do not build or load redis-cell")
     # The worker of section 4 (internal).
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -658,6 +724,9 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         worker_main(args)
+        return
+    if args.from_json:
+        print(markdown(json.loads(args.from_json.read_text())))
         return
     s = settings(args.quick)
     sections = args.sections.split(",")
@@ -711,6 +780,9 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
         print(f"  wrote {args.json}")
+    if args.markdown:
+        args.markdown.write_text(markdown(results) + "\n")
+        print(f"  wrote {args.markdown}")
 
 
 if __name__ == "__main__":

@@ -254,6 +254,17 @@ def batch_subjects(c: redis.Redis, per_batch: int) -> tuple[Subjects, dict[str, 
     return subjects, decisions
 
 
+def batch_study(c: redis.Redis, port: int, per_batch: int) -> tuple[Subjects, dict[str, int]]:
+    """The batches next to the current script and limits' fixed window (allowed), in one
+    sample: per-decision ratios to limits of the same moment."""
+    subjects, decisions = batch_subjects(c, per_batch)
+    for name, subject in form_subjects(c, port, per_batch).items():
+        if name in (f"{CURRENT} | allowed", f"{LIMITS} | allowed"):
+            subjects[name] = subject
+            decisions[name] = 1
+    return subjects, decisions
+
+
 # --- parity: every variant answers as the current script --------------------------------
 
 PARITY_CONFIGS = [
@@ -400,10 +411,12 @@ def run_all(port: int, per_batch: int, batches: int, parity_ops: int) -> dict[st
     out["forms"] = {name: as_dict(r) for name, r in whole_forms.items()}
 
     print(f"\n== study 4: one call deciding several allows (load {load()})")
-    subjects, decisions = batch_subjects(c, per_batch)
-    batched = sample(c, subjects, batches)
+    subjects, decisions = batch_study(c, port, per_batch)
+    batched = sample(c, subjects, 2 * batches)
+    limits = batched[f"{LIMITS} | allowed"].us
     for name, r in batched.items():
-        print(row(name, r, per=decisions[name]) + "   per decision")
+        ratio = r.us / decisions[name] / limits
+        print(row(name, r, per=decisions[name]) + f"   per decision, {ratio:4.2f}x limits")
     out["batches"] = {name: as_dict(r, decisions[name]) for name, r in batched.items()}
 
     print(f"\n== study 5: parity with the current script (load {load()})")
