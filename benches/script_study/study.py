@@ -152,7 +152,8 @@ def config(q: peers.Quota) -> tuple[int, int, int]:
 
 
 WORKLOADS = [("allowed", peers.ALLOWED), ("refused", peers.REFUSED)]
-LIMITS = "limits fixed window"
+LIMITS = "limits fixed window (its EVALSHA, raw)"
+LIMITS_API = "limits fixed window through its API"
 LIMITS_NEW_WINDOW = "limits fixed window, 1-s windows (mostly new: INCRBY + EXPIRE)"
 LONG_WINDOW = peers.Quota(capacity=10**9, rate=1, per=3600)  # for limits only
 
@@ -182,7 +183,7 @@ def form_subjects(c: redis.Redis, port: int, per_batch: int) -> Subjects:
         # window on almost every call here, so the reference row holds each key's
         # window open for an hour (10^9 per hour: never refused), and a second row
         # shows the 1-second windows as they come.
-        variants = [(LIMITS, LONG_WINDOW if workload == "allowed" else q)]
+        variants = [(LIMITS_API, LONG_WINDOW if workload == "allowed" else q)]
         if workload == "allowed":
             variants.append((LIMITS_NEW_WINDOW, q))
         for label, quota in variants:
@@ -204,6 +205,22 @@ def form_subjects(c: redis.Redis, port: int, per_batch: int) -> Subjects:
                 position[0] = n + per_batch
 
             subjects[f"{label} | {workload}"] = (run, per_batch, TOP)
+        # The reference: limits' own script sent raw, like the variants (a client
+        # that sends its next call sooner finds the server warmer: the same script
+        # costs the server less when calls come back to back, see FINDINGS.md).
+        from limits.storage import RedisStorage
+
+        storage = RedisStorage(f"redis://127.0.0.1:{port}", single_connection_client=True)
+        incr = storage.lua_incr_expire
+        incr(keys=["LIMITS:warm"], args=[1, 1])  # loaded
+        window = LONG_WINDOW.per if workload == "allowed" else q.per
+        keys = [f"LIMITS:LIMITER/{k}/{q.capacity}/1/{workload}" for k in keys_for("raw")]
+        keys = keys[: 1 if workload == "refused" else None]
+        subjects[f"{LIMITS} | {workload}"] = (
+            cycling(c, incr.sha, keys, per_batch, (window, 1)),
+            per_batch,
+            TOP,
+        )
     # Bounds, not candidates (they answer nothing): what any script on the
     # server's clock that reads a bucket and writes it back with a TTL pays before
     # any arithmetic, and the call itself.
