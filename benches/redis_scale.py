@@ -1,5 +1,4 @@
-"""Redis at scale (issue 13): what a decision costs the server, and how many one process
-and four processes get from one server.
+"""Redis at scale (issue 13): server time per decision, decisions/s from 1 and 4 processes.
 
     python -m benches.redis_scale            # from the repository root; 3-5 minutes
     python -m benches.redis_scale --quick    # a smoke run, under a minute
@@ -33,6 +32,13 @@ when the crate builds here (benches/server_stats.py), and measures, in one run:
 "bucketlimit batched" has a row in 3 and 4 that reads "not available": batching
 (issue 13, part 2) is not built yet. Each measurement is bounded in calls and
 seconds; every timing repeats, interleaved, and reports the median.
+
+It runs in the development environment (``make install``; it uses the tests' server
+runner) with the peers of benches/requirements.txt installed there
+(``pip install -r benches/requirements.txt``); the rows of a missing peer are left
+out, saying so. redis-cell is built once, with cargo, under target/redis-cell.
+``--markdown PATH`` writes the tables; ``--from-json PATH`` prints those of an
+earlier ``--json`` run.
 """
 
 from __future__ import annotations
@@ -196,7 +202,8 @@ def server_rows(port: int, cell: bool) -> list[ServerRow]:
             prefix="raw:",
         )
         limiter = _sync_limiter(q, port, refusal_cache=False)
-        add("bucketlimit RedisTokenBucketLimiter.allow", limiter.allow, bool)
+        # Every refusal asked of the server (the cache would answer them locally).
+        add("bucketlimit RedisTokenBucketLimiter.allow, no refusal cache", limiter.allow, bool)
         for label, factory in [
             ("limits fixed window", peers.limits_fixed_redis),
             ("limits sliding window counter", peers.limits_sliding_redis),
@@ -396,13 +403,13 @@ async def async_subject(name: str, port: int) -> tuple[AsyncAllow, Callable[[], 
             "limits fixed window": strategies.FixedWindowRateLimiter,
             "limits sliding window counter": strategies.SlidingWindowCounterRateLimiter,
         }[name]
-        limiter = cls(storage)
+        window = cls(storage)
         item = RateLimitItemPerSecond(q.capacity, q.per)
 
         async def close_limits() -> None:
-            await storage.bridge.storage.aclose()
+            await storage.bridge.storage.aclose()  # type: ignore[attr-defined]
 
-        return (lambda k: limiter.hit(item, k)), close_limits
+        return (lambda k: window.hit(item, k)), close_limits
     if name == "throttled-py token bucket":
         from throttled.asyncio import RedisStore, Throttled, per_duration
         from throttled.store.redis_pool import BaseConnectionFactory
@@ -736,7 +743,7 @@ def main() -> None:
         return
     s = settings(args.quick)
     sections = args.sections.split(",")
-    env = {
+    env: dict[str, Any] = {
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "platform": platform.platform(),
         "cores": os.cpu_count(),
