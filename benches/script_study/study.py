@@ -369,6 +369,31 @@ def parity(c: redis.Redis, ops: int, seed: int = 13) -> dict[str, str]:
             compared += 1
             if replies[0] != replies[1]:
                 problems.append(f"value {value!r}: {replies}")
+        # The general form (the template as written, allow_all's): one and two keys
+        # of different configurations, the configuration in ARGV.
+        templates = [
+            c.script_load(f.template.replace(MIN_TTL, "local MIN_TTL_MS = 60000\n"))
+            for f in (current, variant)
+        ]
+        now = 1_796_124_679_955_000
+        for step in range(ops // 10):
+            now += rng.choice([0, 1, 1000, 999_999, 10**7, -5])
+            configs = rng.sample(PARITY_CONFIGS, rng.choice([1, 2]))
+            cost = rng.randint(1, min(cfg[0] for cfg in configs))
+            mode = rng.choice(["a", "a", "p", "r"] if len(configs) == 1 else ["a", "a", "p"])
+            general: list[Any] = [cost, mode]
+            for capacity, unit, p in configs:
+                general += [now, capacity, unit, p]
+            names = [f"general:{variant.name}:{cfg}" for cfg in configs]
+            replies = []
+            for sha, prefix in zip(templates, ("cur:", "var:"), strict=True):
+                keys = [prefix + n for n in names]
+                replies.append(c.execute_command("EVALSHA", sha, len(keys), *keys, *general))
+                for key in keys:
+                    c.persist(key)
+            compared += 1
+            if replies[0] != replies[1]:
+                problems.append(f"general form step {step} {general}: {replies}")
         # The server's clock (no argument): both allowed with the same remaining.
         shas = [c.script_load(f.source(*config(peers.ALLOWED))) for f in (current, variant)]
         clocked = [f"srv:{variant.name}:{i}" for i in range(2)]
