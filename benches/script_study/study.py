@@ -259,27 +259,33 @@ def batch_subjects(c: redis.Redis, per_batch: int) -> tuple[Subjects, dict[str, 
     subjects: Subjects = {}
     decisions: dict[str, int] = {}
     for size in BATCH_SIZES:
-        keys = keys_for(f"batch{size}")
-        calls = max(1, per_batch // size) if size > 1 else per_batch
-        position = [0]
+        for with_costs in (False, True):
+            if size == 1 and with_costs:
+                continue
+            keys = keys_for(f"batch{size}{'c' if with_costs else ''}")
+            calls = max(1, per_batch // size) if size > 1 else per_batch
+            position = [0]
+            # (key, cost) pairs: the costs as ARGV, one per key ("1"), or none (all 1).
+            costs = ["1"] * size if with_costs else []
 
-        def run(
-            size: int = size,
-            keys: list[str] = keys,
-            calls: int = calls,
-            position: list[int] = position,
-        ) -> None:
-            n = position[0]
-            for _ in range(calls):
-                chunk = [keys[(n + j) % len(keys)] for j in range(size)]
-                execute("EVALSHA", sha, size, *chunk)
-                n += size
-            position[0] = n
+            def run(
+                size: int = size,
+                keys: list[str] = keys,
+                calls: int = calls,
+                position: list[int] = position,
+                costs: list[str] = costs,
+            ) -> None:
+                n = position[0]
+                for _ in range(calls):
+                    chunk = [keys[(n + j) % len(keys)] for j in range(size)]
+                    execute("EVALSHA", sha, size, *chunk, *costs)
+                    n += size
+                position[0] = n
 
-        run()  # buckets in every key
-        name = f"batch.lua, {size} per call"
-        subjects[name] = (run, calls, TOP)
-        decisions[name] = size
+            run()  # buckets in every key
+            name = f"batch.lua, {size} per call" + (", costs sent" if with_costs else "")
+            subjects[name] = (run, calls, TOP)
+            decisions[name] = size
     return subjects, decisions
 
 
