@@ -165,19 +165,23 @@ pub(crate) fn key_str<'a>(key: &'a Bound<'_, PyString>) -> PyResult<&'a str> {
 }
 
 /// Seconds as a float; `inf` when the wait never ends.
+#[inline]
 pub(crate) fn seconds(wait: Wait) -> f64 {
     wait.map_or(f64::INFINITY, |micros| {
         // `u128 as f64` is a slow software routine; real waits fit in u64,
         // whose conversion is one instruction. Longer ones (a deep debt at a
         // tiny rate) take the routine: correctly rounded, as Python's float().
-        let high = (micros >> 64) as u64;
-        let micros = if high == 0 {
-            micros as u64 as f64
-        } else {
-            micros as f64
-        };
+        // The routine stays out of line: inlined, LLVM merges both branches
+        // back into the routine (measured: two calls per `allow`).
+        let micros = u64::try_from(micros).map_or_else(|_| wide_to_f64(micros), |m| m as f64);
         micros / 1_000_000.0
     })
+}
+
+#[cold]
+#[inline(never)]
+fn wide_to_f64(micros: u128) -> f64 {
+    micros as f64
 }
 
 // The fields of a `Decision` built from Python, checked like every other input
