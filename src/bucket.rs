@@ -93,7 +93,7 @@ impl Bucket {
     }
 
     /// `balance` at the same time, with headroom `min(headroom, full - balance)`.
-    #[inline]
+    #[inline(always)]
     fn with_balance(self, config: &Config, balance: i128, headroom: u128) -> Bucket {
         let room = (config.full as i128 - balance) as u128;
         Bucket::new(balance, self.last, headroom.min(room))
@@ -147,7 +147,7 @@ impl Bucket {
     /// Refilled up to `now`. A clock that went backwards adds nothing and
     /// never moves the bucket's time back.
     #[must_use]
-    #[inline]
+    #[inline(always)]
     pub fn refilled(self, config: &Config, now: i64) -> Bucket {
         if now <= self.last {
             return self;
@@ -164,6 +164,30 @@ impl Bucket {
         }
     }
 
+    /// True when this bucket is full at `now`: `refilled(now).is_full()`,
+    /// without building the refilled bucket (the sweep asks it of every entry
+    /// it passes).
+    #[must_use]
+    #[inline]
+    pub fn is_full_at(&self, config: &Config, now: i64) -> bool {
+        let missing = self.missing(config);
+        missing == 0
+            || (now > self.last
+                && u128::from(now.abs_diff(self.last))
+                    .checked_mul(config.per_micro)
+                    .is_none_or(|added| added >= missing))
+    }
+
+    /// `refilled(now)`, then `decide(cost)`, in place: what `allow` does to a
+    /// held bucket. Same answer and same bucket after, without copying the
+    /// bucket through temporaries. `cost` must have passed [`Config::check_cost`].
+    #[inline(always)]
+    pub fn allow(&mut self, config: &Config, now: i64, cost: u64) -> Decision {
+        let (decision, after) = self.refilled(config, now).decide(config, cost);
+        *self = after;
+        decision
+    }
+
     /// True when the bucket holds `capacity` tokens: it then answers exactly
     /// like a missing one and may be forgotten. A bucket in debt never is.
     #[must_use]
@@ -174,6 +198,7 @@ impl Bucket {
 
     /// Microseconds until this bucket is full; `None` when it never will be.
     #[must_use]
+    #[inline(always)]
     pub fn until_full(&self, config: &Config) -> Wait {
         wait_for(config, self.missing(config))
     }
@@ -182,7 +207,7 @@ impl Bucket {
     /// after it: spent when allowed, unchanged when refused.
     /// `cost` must have passed [`Config::check_cost`].
     #[must_use]
-    #[inline]
+    #[inline(always)]
     pub fn decide(self, config: &Config, cost: u64) -> (Decision, Bucket) {
         let need = (u128::from(cost) * config.unit) as i128;
         let balance = self.balance();
@@ -290,6 +315,7 @@ impl Bucket {
 
     /// A decision reporting this bucket's state as it stands.
     #[must_use]
+    #[inline(always)]
     pub fn describe(&self, config: &Config, allowed: bool, retry_after: Wait) -> Decision {
         let held = self.balance().max(0) as u128;
         Decision {
@@ -303,7 +329,7 @@ impl Bucket {
 
     /// Spends `need` units (the balance stays >= 0): the cap line does not
     /// move, so the headroom grows by what was spent.
-    #[inline]
+    #[inline(always)]
     fn spent(self, config: &Config, need: i128) -> Bucket {
         self.with_balance(
             config,
@@ -356,7 +382,7 @@ impl Bucket {
 
 /// Microseconds until `units` have refilled: ceil(units / p); `None` at rate 0
 /// (unless nothing is missing).
-#[inline]
+#[inline(always)]
 fn wait_for(config: &Config, units: u128) -> Wait {
     if units == 0 {
         Some(0)

@@ -139,6 +139,7 @@ pub struct Key<'a, 'py>(pub(crate) Borrowed<'a, 'py, PyString>);
 impl<'a, 'py> FromPyObject<'a, 'py> for Key<'a, 'py> {
     type Error = PyErr;
 
+    #[inline]
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Key<'a, 'py>> {
         match obj.cast::<PyString>() {
             Ok(key) => Ok(Key(key)),
@@ -151,6 +152,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Key<'a, 'py> {
 }
 
 impl Key<'_, '_> {
+    #[inline]
     pub(crate) fn as_str(&self) -> PyResult<&str> {
         self.0
             .to_str()
@@ -368,7 +370,7 @@ pub struct TokenBucketLimiter {
 impl TokenBucketLimiter {
     /// Reads the clock. Always before the registry lock is taken: the clock
     /// may be Python code, which must never run under the lock.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn now(&self, py: Python<'_>) -> PyResult<i64> {
         match &self.clock {
             None => Ok(clock::monotonic_micros()),

@@ -83,6 +83,7 @@ impl Index {
         u64::from(tag).wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
+    #[inline(always)]
     fn find(&self, hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
         let (shard, tag, inner) = Index::locate(hash);
         self.shards[shard]
@@ -162,11 +163,13 @@ impl Table {
     }
 
     /// Records a clock reading and returns the table's time.
+    #[inline(always)]
     fn observe(&mut self, now: i64) -> i64 {
         self.latest = self.latest.max(now);
         self.latest
     }
 
+    #[inline(always)]
     fn find(&self, hash: u64, key: &str) -> Option<usize> {
         let entries = &self.entries;
         self.index
@@ -195,17 +198,10 @@ impl Table {
         }
     }
 
-    /// True when the entry at `position` is full at the table's time.
-    fn is_full_at(&self, config: &Config, position: usize) -> bool {
-        self.entries[position]
-            .bucket
-            .refilled(config, self.latest)
-            .is_full(config)
-    }
-
     /// Looks at [`SWEEP_PER_CALL`] entries from the cursor (up to
     /// [`SWEEP_ON_INSERT`] when this call added a bucket, until one is dropped),
     /// or up to [`SWEEP_WHILE_EVICTING`] once one is full, and drops the full ones.
+    #[inline(always)]
     fn sweep(&mut self, config: &Config, hasher: &DefaultHashBuilder) {
         let inserted = std::mem::take(&mut self.inserted);
         let mut budget = if inserted {
@@ -218,7 +214,10 @@ impl Table {
             if self.cursor >= self.entries.len() {
                 self.cursor = 0;
             }
-            if self.is_full_at(config, self.cursor) {
+            if self.entries[self.cursor]
+                .bucket
+                .is_full_at(config, self.latest)
+            {
                 self.remove_at(hasher, self.cursor);
                 self.stats.evicted += 1;
                 budget = SWEEP_WHILE_EVICTING.max(examined + 1);
@@ -275,13 +274,26 @@ impl Table {
         if let Some(position) = self.find(hash, key) {
             return Slot::Held(position);
         }
-        if self.entries.len() < max_keys {
-            return Slot::New;
-        }
-        match self.find_room(config, hasher, now, evict) {
+        match self.room(config, hasher, max_keys, now, evict) {
             Ok(()) => Slot::New,
             Err(wait) => Slot::NoRoom(wait),
         }
+    }
+
+    /// Whether a new key's bucket fits under `max_keys` as of `now`; with
+    /// `evict`, may drop a full bucket to make room. `Err` as [`Table::find_room`].
+    fn room(
+        &mut self,
+        config: &Config,
+        hasher: &DefaultHashBuilder,
+        max_keys: usize,
+        now: i64,
+        evict: bool,
+    ) -> Result<(), Wait> {
+        if self.entries.len() < max_keys {
+            return Ok(());
+        }
+        self.find_room(config, hasher, now, evict)
     }
 
     /// Takes `cost` for a reservation already granted (by `reserve_all`'s
@@ -304,6 +316,7 @@ impl Table {
         }
     }
 
+    #[inline(always)]
     fn count(&mut self, allowed: bool) {
         if allowed {
             self.stats.allowed += 1;
@@ -366,6 +379,7 @@ impl Registry {
     }
 
     /// Validates a call's key and cost; returns the key's hash and the cost.
+    #[inline(always)]
     fn check(&self, key: &str, cost: i128) -> Result<(u64, u64), Error> {
         let cost = self.config.check_cost(cost)?;
         check_key(key)?;
@@ -381,23 +395,36 @@ impl Registry {
         let config = &self.config;
         let mut table = self.table.lock();
         let now = table.observe(now);
+        // The common case first: a held bucket, decided in place.
+        if let Some(position) = table.find(hash, key) {
+            let decision = table.entries[position].bucket.allow(config, now, cost);
+            table.count(decision.allowed);
+            table.sweep(config, &self.hasher);
+            return Ok(decision);
+        }
+        Ok(self.allow_new(table, hash, key, cost, now))
+    }
+
+    /// [`Registry::allow`] for a key without a bucket.
+    #[inline(never)]
+    fn allow_new(
+        &self,
+        mut table: MutexGuard<'_, Table>,
+        hash: u64,
+        key: &str,
+        cost: u64,
+        now: i64,
+    ) -> Decision {
+        let config = &self.config;
         let mut log_no_room = false;
-        let decision = match table.slot(config, &self.hasher, self.max_keys, hash, key, now, true) {
-            Slot::Held(position) => {
-                let (decision, after) = table.entries[position]
-                    .bucket
-                    .refilled(config, now)
-                    .decide(config, cost);
-                table.entries[position].bucket = after;
-                decision
-            }
-            Slot::New => {
+        let decision = match table.room(config, &self.hasher, self.max_keys, now, true) {
+            Ok(()) => {
                 let (decision, after) = Bucket::full(config, now).decide(config, cost);
                 table.insert(hash, key, after);
                 table.refusing_new = false;
                 decision
             }
-            Slot::NoRoom(wait) => {
+            Err(wait) => {
                 log_no_room = table.count_no_room();
                 no_room(config, wait)
             }
@@ -408,7 +435,7 @@ impl Registry {
         if log_no_room {
             self.log_no_room();
         }
-        Ok(decision)
+        decision
     }
 
     /// What [`Registry::allow`] would answer at `now`, changing nothing.
