@@ -152,10 +152,9 @@ impl Bucket {
         if now <= self.last {
             return self;
         }
-        let elapsed = u128::from(now.abs_diff(self.last));
         let missing = self.missing(config);
         // Cap before adding: `elapsed * p` is only used when below `missing`.
-        match elapsed.checked_mul(config.per_micro) {
+        match refill(config, now.abs_diff(self.last)) {
             Some(added) if added < missing => {
                 let balance = self.balance() + added as i128;
                 Bucket::new(balance, now, self.headroom().min(missing - added))
@@ -173,9 +172,7 @@ impl Bucket {
         let missing = self.missing(config);
         missing == 0
             || (now > self.last
-                && u128::from(now.abs_diff(self.last))
-                    .checked_mul(config.per_micro)
-                    .is_none_or(|added| added >= missing))
+                && refill(config, now.abs_diff(self.last)).is_none_or(|added| added >= missing))
     }
 
     /// `refilled(now)`, then `decide(cost)`, in place: what `allow` does to a
@@ -377,6 +374,17 @@ impl Bucket {
             .and_then(|added| i128::try_from(added).ok())
             .and_then(|added| line.cap.checked_add(added))
             == Some(self.cap())
+    }
+}
+
+/// Units refilled in `elapsed` microseconds; `None` beyond u128. One
+/// widening multiply when the rate's numerator fits in u64 (always, but for
+/// absurd rates), instead of a checked 128-bit one.
+#[inline(always)]
+fn refill(config: &Config, elapsed: u64) -> Option<u128> {
+    match u64::try_from(config.per_micro) {
+        Ok(p) => Some(u128::from(elapsed) * u128::from(p)),
+        Err(_) => u128::from(elapsed).checked_mul(config.per_micro),
     }
 }
 
