@@ -300,8 +300,9 @@ METHOD = [
     " inside that environment. It is never part of the test suite.",
     "- **PyO3 floor**: `benches/floor`, a PyO3 0.30 method with `allow`'s signature and"
     " argument extraction (the key borrowed as UTF-8, the cost as an integer) that only"
-    " builds the same six-field frozen `Decision` (same freelist), built with the same"
-    " release profile. Nothing that returns a `Decision` through PyO3 can be faster.",
+    " builds the same six-field frozen `Decision` (allocated the same way, no freelist),"
+    " built with the same release profile. Nothing that returns a `Decision` through PyO3"
+    " can be faster.",
     "- **naive Rust Mutex<HashMap>**: the same crate: `std::sync::Mutex<HashMap<String, _>>`,"
     " SipHash, a float bucket per key, `Instant::now()` per call; it never forgets a key.",
     "- **pure Python + lock**: `benches/purepy.py`, floats, `time.monotonic`, one"

@@ -93,7 +93,7 @@ impl Bucket {
     }
 
     /// `balance` at the same time, with headroom `min(headroom, full - balance)`.
-    #[inline]
+    #[inline(always)]
     fn with_balance(self, config: &Config, balance: i128, headroom: u128) -> Bucket {
         let room = (config.full as i128 - balance) as u128;
         Bucket::new(balance, self.last, headroom.min(room))
@@ -147,21 +147,42 @@ impl Bucket {
     /// Refilled up to `now`. A clock that went backwards adds nothing and
     /// never moves the bucket's time back.
     #[must_use]
-    #[inline]
+    #[inline(always)]
     pub fn refilled(self, config: &Config, now: i64) -> Bucket {
         if now <= self.last {
             return self;
         }
-        let elapsed = u128::from(now.abs_diff(self.last));
         let missing = self.missing(config);
         // Cap before adding: `elapsed * p` is only used when below `missing`.
-        match elapsed.checked_mul(config.per_micro) {
+        match refill(config, now.abs_diff(self.last)) {
             Some(added) if added < missing => {
                 let balance = self.balance() + added as i128;
                 Bucket::new(balance, now, self.headroom().min(missing - added))
             }
             _ => Bucket::full(config, now),
         }
+    }
+
+    /// True when this bucket is full at `now`: `refilled(now).is_full()`,
+    /// without building the refilled bucket (the sweep asks it of every entry
+    /// it passes).
+    #[must_use]
+    #[inline]
+    pub fn is_full_at(&self, config: &Config, now: i64) -> bool {
+        let missing = self.missing(config);
+        missing == 0
+            || (now > self.last
+                && refill(config, now.abs_diff(self.last)).is_none_or(|added| added >= missing))
+    }
+
+    /// `refilled(now)`, then `decide(cost)`, in place: what `allow` does to a
+    /// held bucket. Same answer and same bucket after, without copying the
+    /// bucket through temporaries. `cost` must have passed [`Config::check_cost`].
+    #[inline(always)]
+    pub fn allow(&mut self, config: &Config, now: i64, cost: u64) -> Decision {
+        let (decision, after) = self.refilled(config, now).decide(config, cost);
+        *self = after;
+        decision
     }
 
     /// True when the bucket holds `capacity` tokens: it then answers exactly
@@ -174,6 +195,7 @@ impl Bucket {
 
     /// Microseconds until this bucket is full; `None` when it never will be.
     #[must_use]
+    #[inline(always)]
     pub fn until_full(&self, config: &Config) -> Wait {
         wait_for(config, self.missing(config))
     }
@@ -182,7 +204,7 @@ impl Bucket {
     /// after it: spent when allowed, unchanged when refused.
     /// `cost` must have passed [`Config::check_cost`].
     #[must_use]
-    #[inline]
+    #[inline(always)]
     pub fn decide(self, config: &Config, cost: u64) -> (Decision, Bucket) {
         let need = (u128::from(cost) * config.unit) as i128;
         let balance = self.balance();
@@ -290,6 +312,7 @@ impl Bucket {
 
     /// A decision reporting this bucket's state as it stands.
     #[must_use]
+    #[inline(always)]
     pub fn describe(&self, config: &Config, allowed: bool, retry_after: Wait) -> Decision {
         let held = self.balance().max(0) as u128;
         Decision {
@@ -303,7 +326,7 @@ impl Bucket {
 
     /// Spends `need` units (the balance stays >= 0): the cap line does not
     /// move, so the headroom grows by what was spent.
-    #[inline]
+    #[inline(always)]
     fn spent(self, config: &Config, need: i128) -> Bucket {
         self.with_balance(
             config,
@@ -354,9 +377,20 @@ impl Bucket {
     }
 }
 
+/// Units refilled in `elapsed` microseconds; `None` beyond u128. One
+/// widening multiply when the rate's numerator fits in u64 (always, but for
+/// absurd rates), instead of a checked 128-bit one.
+#[inline(always)]
+fn refill(config: &Config, elapsed: u64) -> Option<u128> {
+    match u64::try_from(config.per_micro) {
+        Ok(p) => Some(u128::from(elapsed) * u128::from(p)),
+        Err(_) => u128::from(elapsed).checked_mul(config.per_micro),
+    }
+}
+
 /// Microseconds until `units` have refilled: ceil(units / p); `None` at rate 0
 /// (unless nothing is missing).
-#[inline]
+#[inline(always)]
 fn wait_for(config: &Config, units: u128) -> Wait {
     if units == 0 {
         Some(0)

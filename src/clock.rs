@@ -12,7 +12,8 @@ use crate::error::Error;
 /// Clock readings beyond ±2^62 µs are out of range.
 pub const MAX_MICROS: i64 = 1 << 62;
 
-static MONOTONIC: OnceLock<(quanta::Clock, quanta::Instant)> = OnceLock::new();
+/// The built-in clock and its raw reading at the start.
+static MONOTONIC: OnceLock<(quanta::Clock, u64)> = OnceLock::new();
 
 /// Calibrates the built-in clock (about a millisecond, once): call it at
 /// module import so that no `allow()` pays for it.
@@ -31,13 +32,14 @@ pub fn start_monotonic() {
 pub fn monotonic_micros() -> i64 {
     let (clock, origin) = MONOTONIC.get_or_init(|| {
         let clock = quanta::Clock::new();
-        let origin = clock.now();
+        let origin = clock.raw();
         (clock, origin)
     });
-    let elapsed = clock.now().saturating_duration_since(*origin);
-    // u64 arithmetic (`as_micros` is u128); 2^62 µs is 146,000 years of
-    // uptime, so neither the product nor the cast can wrap.
-    (elapsed.as_secs() * 1_000_000 + u64::from(elapsed.subsec_micros())) as i64
+    // Raw counter to nanoseconds in one multiply-shift, then one division by
+    // a constant: no `Instant`/`Duration` round trip (seconds and nanoseconds
+    // split apart and joined again). 2^62 µs is 146,000 years of uptime: the
+    // cast cannot wrap.
+    (clock.delta_as_nanos(*origin, clock.raw()) / 1_000) as i64
 }
 
 /// `round(seconds * 1_000_000)`, half to even, as Python computes it.

@@ -83,6 +83,7 @@ impl Index {
         u64::from(tag).wrapping_mul(0x9E37_79B9_7F4A_7C15)
     }
 
+    #[inline(always)]
     fn find(&self, hash: u64, is_key: impl Fn(usize) -> bool) -> Option<usize> {
         let (shard, tag, inner) = Index::locate(hash);
         self.shards[shard]
@@ -111,6 +112,28 @@ impl Index {
             .find_mut(inner, |s| s.position as usize == from)
             .expect("every entry is indexed");
         slot.position = to as u32;
+    }
+}
+
+/// `a == b`, with keys of 4 to 32 bytes compared as two overlapping words
+/// each (no call to `memcmp`: it was a tenth of a lookup).
+#[inline(always)]
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    // The first and the last `W` bytes: together they cover `W..=2W` bytes.
+    fn ends<const W: usize>(s: &[u8]) -> ([u8; W], [u8; W]) {
+        let first = s[..W].try_into().expect("W bytes");
+        let last = s[s.len() - W..].try_into().expect("W bytes");
+        (first, last)
+    }
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    match n {
+        4..=8 => ends::<4>(a) == ends::<4>(b),
+        9..=16 => ends::<8>(a) == ends::<8>(b),
+        17..=32 => ends::<16>(a) == ends::<16>(b),
+        _ => a == b,
     }
 }
 
@@ -162,15 +185,18 @@ impl Table {
     }
 
     /// Records a clock reading and returns the table's time.
+    #[inline(always)]
     fn observe(&mut self, now: i64) -> i64 {
         self.latest = self.latest.max(now);
         self.latest
     }
 
+    #[inline(always)]
     fn find(&self, hash: u64, key: &str) -> Option<usize> {
         let entries = &self.entries;
-        self.index
-            .find(hash, |position| entries[position].key == key)
+        self.index.find(hash, |position| {
+            same_key(entries[position].key.as_bytes(), key.as_bytes())
+        })
     }
 
     fn insert(&mut self, hash: u64, key: &str, bucket: Bucket) {
@@ -195,17 +221,10 @@ impl Table {
         }
     }
 
-    /// True when the entry at `position` is full at the table's time.
-    fn is_full_at(&self, config: &Config, position: usize) -> bool {
-        self.entries[position]
-            .bucket
-            .refilled(config, self.latest)
-            .is_full(config)
-    }
-
     /// Looks at [`SWEEP_PER_CALL`] entries from the cursor (up to
     /// [`SWEEP_ON_INSERT`] when this call added a bucket, until one is dropped),
     /// or up to [`SWEEP_WHILE_EVICTING`] once one is full, and drops the full ones.
+    #[inline(always)]
     fn sweep(&mut self, config: &Config, hasher: &DefaultHashBuilder) {
         let inserted = std::mem::take(&mut self.inserted);
         let mut budget = if inserted {
@@ -218,7 +237,10 @@ impl Table {
             if self.cursor >= self.entries.len() {
                 self.cursor = 0;
             }
-            if self.is_full_at(config, self.cursor) {
+            if self.entries[self.cursor]
+                .bucket
+                .is_full_at(config, self.latest)
+            {
                 self.remove_at(hasher, self.cursor);
                 self.stats.evicted += 1;
                 budget = SWEEP_WHILE_EVICTING.max(examined + 1);
@@ -275,13 +297,26 @@ impl Table {
         if let Some(position) = self.find(hash, key) {
             return Slot::Held(position);
         }
-        if self.entries.len() < max_keys {
-            return Slot::New;
-        }
-        match self.find_room(config, hasher, now, evict) {
+        match self.room(config, hasher, max_keys, now, evict) {
             Ok(()) => Slot::New,
             Err(wait) => Slot::NoRoom(wait),
         }
+    }
+
+    /// Whether a new key's bucket fits under `max_keys` as of `now`; with
+    /// `evict`, may drop a full bucket to make room. `Err` as [`Table::find_room`].
+    fn room(
+        &mut self,
+        config: &Config,
+        hasher: &DefaultHashBuilder,
+        max_keys: usize,
+        now: i64,
+        evict: bool,
+    ) -> Result<(), Wait> {
+        if self.entries.len() < max_keys {
+            return Ok(());
+        }
+        self.find_room(config, hasher, now, evict)
     }
 
     /// Takes `cost` for a reservation already granted (by `reserve_all`'s
@@ -304,6 +339,7 @@ impl Table {
         }
     }
 
+    #[inline(always)]
     fn count(&mut self, allowed: bool) {
         if allowed {
             self.stats.allowed += 1;
@@ -366,6 +402,7 @@ impl Registry {
     }
 
     /// Validates a call's key and cost; returns the key's hash and the cost.
+    #[inline(always)]
     fn check(&self, key: &str, cost: i128) -> Result<(u64, u64), Error> {
         let cost = self.config.check_cost(cost)?;
         check_key(key)?;
@@ -381,23 +418,36 @@ impl Registry {
         let config = &self.config;
         let mut table = self.table.lock();
         let now = table.observe(now);
+        // The common case first: a held bucket, decided in place.
+        if let Some(position) = table.find(hash, key) {
+            let decision = table.entries[position].bucket.allow(config, now, cost);
+            table.count(decision.allowed);
+            table.sweep(config, &self.hasher);
+            return Ok(decision);
+        }
+        Ok(self.allow_new(table, hash, key, cost, now))
+    }
+
+    /// [`Registry::allow`] for a key without a bucket.
+    #[inline(never)]
+    fn allow_new(
+        &self,
+        mut table: MutexGuard<'_, Table>,
+        hash: u64,
+        key: &str,
+        cost: u64,
+        now: i64,
+    ) -> Decision {
+        let config = &self.config;
         let mut log_no_room = false;
-        let decision = match table.slot(config, &self.hasher, self.max_keys, hash, key, now, true) {
-            Slot::Held(position) => {
-                let (decision, after) = table.entries[position]
-                    .bucket
-                    .refilled(config, now)
-                    .decide(config, cost);
-                table.entries[position].bucket = after;
-                decision
-            }
-            Slot::New => {
+        let decision = match table.room(config, &self.hasher, self.max_keys, now, true) {
+            Ok(()) => {
                 let (decision, after) = Bucket::full(config, now).decide(config, cost);
                 table.insert(hash, key, after);
                 table.refusing_new = false;
                 decision
             }
-            Slot::NoRoom(wait) => {
+            Err(wait) => {
                 log_no_room = table.count_no_room();
                 no_room(config, wait)
             }
@@ -408,7 +458,7 @@ impl Registry {
         if log_no_room {
             self.log_no_room();
         }
-        Ok(decision)
+        decision
     }
 
     /// What [`Registry::allow`] would answer at `now`, changing nothing.
@@ -755,6 +805,25 @@ mod tests {
     fn registry(capacity: i128, rate: f64, max_keys: Option<usize>) -> Registry {
         let config = Config::new(capacity, Number::Float(rate), Number::Int(1)).unwrap();
         Registry::new(config, max_keys)
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn keys_compare_as_bytes(
+            a in proptest::collection::vec(proptest::num::u8::ANY, 0..40),
+            flip in proptest::option::of((proptest::num::usize::ANY, 1u8..=255)),
+            extra in proptest::option::of(proptest::num::u8::ANY),
+        ) {
+            let mut b = a.clone();
+            if let Some((at, bits)) = flip.filter(|_| !a.is_empty()) {
+                b[at % a.len()] ^= bits;
+            }
+            if let Some(byte) = extra {
+                b.push(byte);
+            }
+            proptest::prop_assert_eq!(same_key(&a, &b), a == b);
+            proptest::prop_assert!(same_key(&a, &a));
+        }
     }
 
     #[test]

@@ -18,8 +18,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
 
-/// The same fields, flags and freelist as `bucketlimit._core.Decision`.
-#[pyclass(frozen, freelist = 64, module = "bucketlimit_floor")]
+/// The same fields and flags as `bucketlimit._core.Decision` (no freelist
+/// either: allocated the same way).
+#[pyclass(frozen, module = "bucketlimit_floor")]
 pub struct Decision {
     #[pyo3(get)]
     allowed: bool,
