@@ -23,9 +23,6 @@ from bucketlimit._core import (
     Reservation,
     TokenBucketLimiter,
     __version__,
-    acquire_all,
-    acquire_all_async,
-    reserve_all,
 )
 from bucketlimit._errors import ConfigurationError
 from bucketlimit._stats import LimiterStats, RedisLimiterStats
@@ -88,3 +85,40 @@ def allow_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1) -> Any:
         if routed is not None:
             return routed
     return _core.allow_all(checks, cost)
+
+
+def reserve_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, max_wait: Any = None) -> Any:
+    """Reserves each check's cost from every bucket at the same moment, all or
+    nothing; the delay is the longest. Redis limiters sharing one client run as
+    one script (``bucketlimit.redis.reserve_all``; a coroutine for asyncio ones)."""
+    redis = sys.modules.get("bucketlimit.redis")
+    if redis is not None:
+        checks = list(checks)
+        routed = redis._route_all("reserve_all", checks, cost, max_wait)
+        if routed is not None:
+            return routed
+    return _core.reserve_all(checks, cost, max_wait=max_wait)
+
+
+def acquire_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, timeout: Any = None) -> Any:
+    """``reserve_all``, then blocks for its delay; refused at once beyond ``timeout``."""
+    redis = sys.modules.get("bucketlimit.redis")
+    if redis is not None:
+        checks = list(checks)
+        routed = redis._route_all("acquire_all", checks, cost, timeout)
+        if routed is not None:
+            return routed
+    return _core.acquire_all(checks, cost, timeout=timeout)
+
+
+def acquire_all_async(
+    checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, timeout: Any = None
+) -> Any:
+    """``acquire_all`` for asyncio (a coroutine); a cancelled waiter gives its tokens back."""
+    redis = sys.modules.get("bucketlimit.redis")
+    if redis is not None:
+        checks = list(checks)
+        routed = redis._route_all("acquire_all_async", checks, cost, timeout)
+        if routed is not None:
+            return routed
+    return _core.acquire_all_async(checks, cost, timeout=timeout)
