@@ -157,7 +157,10 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         clock; ``delay`` says when they are yours. Refused at once, spending nothing,
         when the wait would exceed ``max_wait`` seconds (``None``: no limit but the
         debt bound). FIFO across every process using the bucket (docs/redis.md)."""
-        call = self._reserve_call(key, cost, max_wait)
+        return self._reserve(key, cost, max_wait, "max_wait")
+
+    def _reserve(self, key: str, cost: object, wait: object, name: str) -> RedisReservation:
+        call = self._reserve_call(key, cost, wait, name)
         return RedisReservation([(self, key, call.cost)], self._drive(call))
 
     def acquire(
@@ -168,7 +171,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         ``timeout``. An exception while sleeping gives the tokens back (one refund)
         before it propagates. There is no ``acquire_async`` here: its reservation
         and its refund would block the event loop (use the asyncio class)."""
-        return _wait(self.reserve(key, cost, max_wait=timeout))
+        return _wait(self._reserve(key, cost, timeout, "timeout"))
 
     def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """Records use that already happened: any cost >= 1, debt allowed."""
@@ -239,7 +242,12 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
     ) -> AsyncRedisReservation:
         """:meth:`RedisTokenBucketLimiter.reserve`, awaited; its ``cancel`` and
         ``settle`` are coroutines."""
-        call = self._reserve_call(key, cost, max_wait)
+        return await self._reserve(key, cost, max_wait, "max_wait")
+
+    async def _reserve(
+        self, key: str, cost: object, wait: object, name: str
+    ) -> AsyncRedisReservation:
+        call = self._reserve_call(key, cost, wait, name)
         return AsyncRedisReservation([(self, key, call.cost)], await self._drive(call))
 
     async def acquire(
@@ -249,7 +257,7 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         clock's ``sleep_async`` when it has one, else ``asyncio.sleep``); a task
         cancelled while it waits gives its tokens back (one refund, shielded from a
         second cancellation)."""
-        return await _wait_async(await self.reserve(key, cost, max_wait=timeout))
+        return await _wait_async(await self._reserve(key, cost, timeout, "timeout"))
 
     async def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """:meth:`RedisTokenBucketLimiter.charge`, awaited."""
@@ -369,11 +377,12 @@ def reserve_all(
     cost: SupportsIndex = 1,
     *,
     max_wait: float | None = None,
+    _name: str = "max_wait",
 ) -> RedisReservation:
     """``bucketlimit.reserve_all`` for Redis limiters sharing one client: one script
     reserves every check's cost at the same moment, all or nothing (every bucket is
     checked before any is written); the delay is the longest."""
-    limiter, call = all_call(checks, cost, RESERVE, max_wait, what="reserve_all")
+    limiter, call = all_call(checks, cost, RESERVE, max_wait, what="reserve_all", name=_name)
     if not isinstance(limiter, RedisTokenBucketLimiter):
         raise TypeError("reserve_all takes RedisTokenBucketLimiter instances here")
     assert call.checks is not None
@@ -385,9 +394,10 @@ async def reserve_all_async(
     cost: SupportsIndex = 1,
     *,
     max_wait: float | None = None,
+    _name: str = "max_wait",
 ) -> AsyncRedisReservation:
     """:func:`reserve_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
-    limiter, call = all_call(checks, cost, RESERVE, max_wait, what="reserve_all")
+    limiter, call = all_call(checks, cost, RESERVE, max_wait, what="reserve_all", name=_name)
     if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
         raise TypeError("reserve_all_async takes AsyncRedisTokenBucketLimiter instances")
     assert call.checks is not None
@@ -402,7 +412,7 @@ def acquire_all(
 ) -> Decision:
     """:func:`reserve_all`, then sleeps for its delay on the first limiter's clock;
     refused at once beyond ``timeout``."""
-    return _wait(reserve_all(checks, cost, max_wait=timeout))
+    return _wait(reserve_all(checks, cost, max_wait=timeout, _name="timeout"))
 
 
 async def acquire_all_async(
@@ -412,7 +422,9 @@ async def acquire_all_async(
     timeout: float | None = None,
 ) -> Decision:
     """:func:`acquire_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
-    return await _wait_async(await reserve_all_async(checks, cost, max_wait=timeout))
+    return await _wait_async(
+        await reserve_all_async(checks, cost, max_wait=timeout, _name="timeout")
+    )
 
 
 def _kind(checks: list[Any], what: str) -> str | None:

@@ -561,11 +561,14 @@ class RedisLimiter(Generic[C]):
             args = self._args(mode, cost)
         return Call(mode, key, cost, self._own, [self._keys.bucket(key)], args)
 
-    def _reserve_call(self, key: str, cost: object, max_wait: object) -> Call:
-        """A reservation of one bucket (docs/design.md §4), validated like the core."""
+    def _reserve_call(
+        self, key: str, cost: object, max_wait: object, name: str = "max_wait"
+    ) -> Call:
+        """A reservation of one bucket (docs/design.md §4), validated like the core;
+        ``name`` is what the caller calls ``max_wait`` (acquire: ``timeout``)."""
         if type(cost) is not int or not 0 < cost <= self._capacity:
             cost = _core.check_cost(cost, self._capacity)
-        wait = check_wait(max_wait, "max_wait")
+        wait = check_wait(max_wait, name)
         bucket = self._keys.bucket(key)
         args = (cost, RESERVE.value, self._now(), NONE if wait is None else wait)
         return Call(RESERVE, key, cost, self._own, [bucket], args, max_wait=wait)
@@ -917,6 +920,7 @@ def all_call(
     max_wait: object = None,
     *,
     what: str = "allow_all",
+    name: str = "max_wait",
 ) -> tuple[RedisLimiter[Any], Call]:
     """The limiter to drive it with, and the call of one ``allow_all`` or
     ``reserve_all`` script (the general form of bucket.lua: per bucket now, its
@@ -927,7 +931,7 @@ def all_call(
     duplicates, one client, costs, keys and (on a cluster) one hash slot.
     """
     checks = list(checks)
-    wait = check_wait(max_wait, "max_wait") if mode is RESERVE else None
+    wait = check_wait(max_wait, name) if mode is RESERVE else None
     parts: list[Part] = []
     seen: set[tuple[int, str]] = set()
     for item in checks:
