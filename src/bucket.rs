@@ -39,33 +39,90 @@ pub struct Reserved {
     pub delay: Wait,
 }
 
-/// A bucket: its balance in units and the microsecond it was last refilled to.
+/// A bucket: its balance in units, the microsecond it was last refilled to,
+/// and its headroom: how many units may still be given back (docs/design.md
+/// §4, "Giving back"). The balance may never exceed `balance + headroom`,
+/// the bucket's cap line, which refills with it; headroom `full - balance`
+/// means no constraint but the capacity.
 ///
-/// The balance is kept as two `u64` halves of an `i128` (negative while
-/// reservations wait: a debt) so that a table entry packs into 48 bytes (a
-/// 128-bit field would force 16-byte alignment and 64 bytes).
+/// The balance (an `i128`, negative while reservations wait: a debt) and
+/// the headroom (a `u128`, at most `full - balance`) are kept as `u64`
+/// halves so that a table entry packs into 64 bytes with short keys inline
+/// (128-bit fields would force 16-byte alignment and padding).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Bucket {
     balance_lo: u64,
     balance_hi: u64,
     last: i64,
+    headroom_lo: u64,
+    headroom_hi: u64,
+}
+
+/// Where a waiting reservation left its bucket's cap line: the bucket's time
+/// and `balance + headroom` right after it, the headroom before it and its
+/// cost. A give-back that finds the line where this reservation left it
+/// (only refilled since) comes from the last waiter and is undone exactly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Line {
+    pub last: i64,
+    pub cap: i128,
+    pub headroom_before: u128,
+    pub cost: u64,
 }
 
 impl Bucket {
     /// A full bucket, as of `now`. A missing bucket answers exactly like this.
     #[must_use]
     pub fn full(config: &Config, now: i64) -> Bucket {
-        Bucket::new(config.full as i128, now)
+        Bucket::new(config.full as i128, now, 0)
     }
 
+    /// A bucket of `balance` units at `last`; `headroom` is kept within
+    /// `0..=full - balance` by every operation (the caller's to respect here).
     #[must_use]
-    pub fn new(balance: i128, last: i64) -> Bucket {
+    #[inline]
+    pub fn new(balance: i128, last: i64, headroom: u128) -> Bucket {
         let bits = balance as u128;
         Bucket {
             balance_lo: bits as u64,
             balance_hi: (bits >> 64) as u64,
             last,
+            headroom_lo: headroom as u64,
+            headroom_hi: (headroom >> 64) as u64,
         }
+    }
+
+    /// `balance` at the same time, with headroom `min(headroom, full - balance)`.
+    #[inline]
+    fn with_balance(self, config: &Config, balance: i128, headroom: u128) -> Bucket {
+        let room = (config.full as i128 - balance) as u128;
+        Bucket::new(balance, self.last, headroom.min(room))
+    }
+
+    /// Units that may still be given back.
+    #[must_use]
+    #[inline]
+    pub fn headroom(&self) -> u128 {
+        (u128::from(self.headroom_hi) << 64) | u128::from(self.headroom_lo)
+    }
+
+    /// The line a reservation of `cost` that turned `before` into this
+    /// bucket keeps for its give-back: `None` unless it waited (left the
+    /// bucket in debt).
+    #[must_use]
+    pub fn waiting_line(&self, before: &Bucket, cost: u64) -> Option<Line> {
+        (self.balance() < 0).then(|| Line {
+            last: self.last,
+            cap: self.cap(),
+            headroom_before: before.headroom(),
+            cost,
+        })
+    }
+
+    /// The cap line's value now: `balance + headroom`.
+    #[inline]
+    fn cap(&self) -> i128 {
+        self.balance() + self.headroom() as i128
     }
 
     /// The balance in units (`unit` units per token); negative in debt.
@@ -98,11 +155,13 @@ impl Bucket {
         let elapsed = u128::from(now.abs_diff(self.last));
         let missing = self.missing(config);
         // Cap before adding: `elapsed * p` is only used when below `missing`.
-        let balance = match elapsed.checked_mul(config.per_micro) {
-            Some(added) if added < missing => self.balance() + added as i128,
-            _ => config.full as i128,
-        };
-        Bucket::new(balance, now)
+        match elapsed.checked_mul(config.per_micro) {
+            Some(added) if added < missing => {
+                let balance = self.balance() + added as i128;
+                Bucket::new(balance, now, self.headroom().min(missing - added))
+            }
+            _ => Bucket::full(config, now),
+        }
     }
 
     /// True when the bucket holds `capacity` tokens: it then answers exactly
@@ -128,7 +187,7 @@ impl Bucket {
         let need = (u128::from(cost) * config.unit) as i128;
         let balance = self.balance();
         let (allowed, retry_after, after) = if balance >= need {
-            (true, Some(0), Bucket::new(balance - need, self.last))
+            (true, Some(0), self.spent(config, need))
         } else if config.per_micro == 0 {
             (false, None, self)
         } else {
@@ -157,7 +216,7 @@ impl Bucket {
         let need = (u128::from(cost) * config.unit) as i128;
         let after = self.balance() - need;
         if after >= 0 {
-            let bucket = Bucket::new(after, self.last);
+            let bucket = self.spent(config, need);
             let decision = bucket.describe(config, true, Some(0));
             return (
                 Reserved {
@@ -185,7 +244,9 @@ impl Bucket {
         let over_wait = max_wait.map_or(0, |limit| delay.saturating_sub(limit));
         let refused_for = over_bound.max(over_wait);
         if refused_for == 0 {
-            let bucket = Bucket::new(after, self.last);
+            // A waiter: the cap line drops to its balance, so nothing given
+            // back by those before it can be used alongside or before it.
+            let bucket = Bucket::new(after, self.last, 0);
             let decision = bucket.describe(config, true, Some(0));
             (
                 Reserved {
@@ -217,7 +278,8 @@ impl Bucket {
             .checked_mul(config.unit)
             .and_then(|need| i128::try_from(need).ok())
             .map_or(floor, |need| (self.balance() - need).max(floor));
-        let bucket = Bucket::new(after, self.last);
+        let charged = (self.balance() - after) as u128;
+        let bucket = self.with_balance(config, after, self.headroom() + charged);
         let decision = if after >= 0 {
             bucket.describe(config, true, Some(0))
         } else {
@@ -239,12 +301,56 @@ impl Bucket {
         }
     }
 
-    /// Gives `cost` tokens back, never above capacity.
+    /// Spends `need` units (the balance stays >= 0): the cap line does not
+    /// move, so the headroom grows by what was spent.
+    #[inline]
+    fn spent(self, config: &Config, need: i128) -> Bucket {
+        self.with_balance(
+            config,
+            self.balance() - need,
+            self.headroom() + need as u128,
+        )
+    }
+
+    /// Gives `cost` tokens back to this (already refilled) bucket, never above
+    /// capacity and never above the cap line (docs/design.md §4, "Giving
+    /// back"). `line` is where a waiting reservation left the line: found
+    /// there, the give-back comes from the last waiter and is undone exactly
+    /// (the line rises with the balance); otherwise it takes headroom, and a
+    /// give-back ahead of a reservation still waiting adds nothing.
     #[must_use]
-    pub fn refunded(self, config: &Config, cost: u64) -> Bucket {
-        let back = (u128::from(cost) * config.unit) as i128;
-        let balance = (self.balance() + back).min(config.full as i128);
-        Bucket::new(balance, self.last)
+    pub fn given_back(self, config: &Config, cost: u64, line: Option<Line>) -> Bucket {
+        let back = u128::from(cost) * config.unit;
+        if let Some(line) = line.filter(|line| self.is_on(config, *line)) {
+            let balance = (self.balance() + back as i128).min(config.full as i128);
+            // All of it: as if it had never been made. Part: the line rises
+            // with the balance.
+            let headroom = if cost >= line.cost {
+                line.headroom_before
+            } else {
+                self.headroom()
+            };
+            return self.with_balance(config, balance, headroom);
+        }
+        let back = back.min(self.headroom());
+        Bucket::new(
+            self.balance() + back as i128,
+            self.last,
+            self.headroom() - back,
+        )
+    }
+
+    /// True when this bucket's cap line is `line`, refilled since.
+    fn is_on(&self, config: &Config, line: Line) -> bool {
+        let Some(elapsed) = u128::try_from(i128::from(self.last) - i128::from(line.last)).ok()
+        else {
+            return false;
+        };
+        elapsed
+            .checked_mul(config.per_micro)
+            .and_then(|added| i128::try_from(added).ok())
+            .and_then(|added| line.cap.checked_add(added))
+            == Some(self.cap())
     }
 }
 
@@ -409,8 +515,67 @@ mod tests {
         assert!(!d.allowed);
         assert_eq!(b.balance(), -3 * c.unit as i128);
         assert_eq!(d.retry_after, Some(3_000_000));
-        assert_eq!(b.refunded(&c, 10).balance(), 7 * c.unit as i128);
-        assert!(b.refunded(&c, 10).refunded(&c, 10).is_full(&c));
+        assert_eq!(b.given_back(&c, 10, None).balance(), 7 * c.unit as i128);
+        assert!(b
+            .given_back(&c, 10, None)
+            .given_back(&c, 10, None)
+            .is_full(&c));
+    }
+
+    #[test]
+    fn a_give_back_ahead_of_a_waiter_is_not_used_alongside_it() {
+        // Capacity 1, 1 token/s: r1 now, r2 at 1 s, r3 at 2 s. Cancelling r2
+        // must not let r4 be ready at 2 s with r3: it comes at 3 s.
+        let c = config(1, 1.0);
+        let (_, b1) = Bucket::full(&c, 0).reserve(&c, 1, None);
+        let (r2, b2) = b1.reserve(&c, 1, None);
+        let line2 = b2.waiting_line(&b1, 1);
+        let (r3, b) = b2.reserve(&c, 1, None);
+        let s = |n: u128| Some(n * 1_000_000);
+        assert_eq!((r2.delay, r3.delay), (s(1), s(2)));
+        let after = b.refilled(&c, 500_000);
+        assert_eq!(
+            after.given_back(&c, 1, line2),
+            after,
+            "nothing to give back"
+        );
+        let (r4, _) = after.reserve(&c, 1, None);
+        assert_eq!(r4.delay, Some(2_500_000)); // ready at 3 s
+                                               // allow() is refused until r3 is served, and then waits its turn.
+        let (d, _) = after.decide(&c, 1);
+        assert_eq!(d.retry_after, Some(2_500_000));
+    }
+
+    #[test]
+    fn the_last_waiter_gives_back_exactly() {
+        let c = config(2, 1.0);
+        let (_, b0) = Bucket::full(&c, 0).decide(&c, 2);
+        let (_, b1) = b0.reserve(&c, 1, None);
+        let line1 = b1.waiting_line(&b0, 1);
+        let (_, b2) = b1.reserve(&c, 2, None);
+        let line2 = b2.waiting_line(&b1, 2);
+        assert!(line1.is_some() && line2.is_some());
+        // r2 is the last waiter: undone exactly, and r1 is last again.
+        let t = 300_000;
+        let back2 = b2.refilled(&c, t).given_back(&c, 2, line2);
+        assert_eq!(back2, b1.refilled(&c, t));
+        let back1 = back2.given_back(&c, 1, line1);
+        assert_eq!(back1, b0.refilled(&c, t));
+        // r1 given back while r2 still waits: nothing comes back.
+        let ahead = b2.refilled(&c, t).given_back(&c, 1, line1);
+        assert_eq!(ahead, b2.refilled(&c, t));
+    }
+
+    #[test]
+    fn spends_with_no_waiter_come_back_as_before() {
+        let c = config(10, 1.0);
+        let (_, b) = Bucket::full(&c, 0).decide(&c, 4);
+        let (_, b) = b.reserve(&c, 3, None);
+        let b = b.given_back(&c, 3, None).given_back(&c, 4, None);
+        assert!(b.is_full(&c));
+        // Never above capacity.
+        let (_, b) = Bucket::full(&c, 0).decide(&c, 1);
+        assert!(b.given_back(&c, 5, None).is_full(&c));
     }
 
     fn arb_config() -> impl Strategy<Value = Config> {
@@ -490,6 +655,73 @@ mod tests {
                     prop_assert!(next.refilled(&c, delay - 1).balance() < 0);
                 }
                 b = next;
+            }
+        }
+
+        /// At the times the tokens are used, every window of T µs holds at
+        /// most `full + p*(T + 1)` units (1 µs: delays round up), with
+        /// allows, reservations and cancels of waiting reservations mixed;
+        /// and nobody is served before a reservation made earlier (FIFO).
+        #[test]
+        fn uses_obey_the_bound_with_cancels(
+            c in arb_config(),
+            steps in prop::collection::vec((0i64..400_000, 1u64..1000, 0u8..4, any::<prop::sample::Index>()), 1..80),
+        ) {
+            prop_assume!(c.per_micro > 0);
+            let mut b = Bucket::full(&c, 0);
+            let mut now = 0i64;
+            // (use time, units, line, cancelled)
+            let mut uses: Vec<(i64, u128, Option<Line>, bool)> = Vec::new();
+            for (dt, cost, op, pick) in steps {
+                now += dt;
+                b = b.refilled(&c, now);
+                let cost = cost.min(c.capacity);
+                let units = u128::from(cost) * c.unit;
+                match op {
+                    0 => {
+                        let (d, next) = b.decide(&c, cost);
+                        if d.allowed {
+                            prop_assert!(uses.iter().all(|u| u.3 || u.0 <= now), "FIFO");
+                            uses.push((now, units, None, false));
+                        }
+                        b = next;
+                    }
+                    1 | 2 => {
+                        let (r, next) = b.reserve(&c, cost, None);
+                        if r.decision.allowed {
+                            let ready = now + r.delay.unwrap() as i64;
+                            prop_assert!(uses.iter().all(|u| u.3 || u.0 <= ready), "FIFO");
+                            uses.push((ready, units, next.waiting_line(&b, cost), false));
+                        }
+                        b = next;
+                    }
+                    _ => {
+                        let waiting: Vec<usize> = (0..uses.len())
+                            .filter(|&i| !uses[i].3 && uses[i].0 > now)
+                            .collect();
+                        if !waiting.is_empty() {
+                            let i = waiting[pick.index(waiting.len())];
+                            let cost = (uses[i].1 / c.unit) as u64;
+                            b = b.given_back(&c, cost, uses[i].2);
+                            uses[i].3 = true;
+                        }
+                    }
+                }
+                prop_assert!(b.balance() <= c.full as i128);
+            }
+            let mut used: Vec<(i64, u128)> =
+                uses.iter().filter(|u| !u.3).map(|u| (u.0, u.1)).collect();
+            used.sort_unstable();
+            for i in 0..used.len() {
+                let mut total = 0u128;
+                for j in i..used.len() {
+                    total += used[j].1;
+                    let span = (used[j].0 - used[i].0) as u128 + 1;
+                    prop_assert!(
+                        total <= c.full + c.per_micro * span,
+                        "window {}..{} µs holds {} units", used[i].0, used[j].0, total
+                    );
+                }
             }
         }
 

@@ -471,7 +471,7 @@ impl TokenBucketLimiter {
     /// Gives back tokens reserved but not used; never above capacity.
     fn refund(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<()> {
         let now = self.now(py)?;
-        Ok(self.registry.refund(key.as_str()?, cost.0, now)?)
+        Ok(self.registry.refund(key.as_str()?, cost.0, now, None)?)
     }
 
     /// Takes `cost` tokens now, in debt if need be; `delay` says when they

@@ -12,7 +12,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyFloat, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 
-use crate::bucket::{Reserved, Wait};
+use crate::bucket::{Line, Reserved, Wait};
 use crate::clock;
 use crate::py::{integer, key_str, repr, seconds, type_name, Decision, Key, TokenBucketLimiter};
 use crate::registry::{self, Check};
@@ -73,6 +73,8 @@ struct Part {
     limiter: Py<TokenBucketLimiter>,
     key: Py<PyString>,
     cost: u64,
+    /// Where this reservation left the bucket's cap line, when it waited.
+    line: Option<Line>,
 }
 
 /// Tokens taken from one or more buckets, to use after `delay` seconds.
@@ -165,7 +167,9 @@ impl Reservation {
         self.granted(py)
     }
 
-    /// Gives every token back (capped at capacity); later waits do not move.
+    /// Gives every token back (capped at capacity); later waits do not move,
+    /// and what a reservation still waiting behind this one would have to
+    /// share is not given back (docs/design.md §4, "Giving back").
     /// Once: a second call, or one after `settle`, does nothing.
     fn cancel(&self, py: Python<'_>) -> PyResult<()> {
         if self.settled.swap(true, Ordering::AcqRel) {
@@ -221,7 +225,9 @@ fn refund(py: Python<'_>, part: &Part, cost: u64) -> PyResult<()> {
     let limiter = part.limiter.get();
     let now = limiter.now(py)?;
     let key = part.key.bind(py).to_str()?;
-    Ok(limiter.registry.refund(key, i128::from(cost), now)?)
+    Ok(limiter
+        .registry
+        .refund(key, i128::from(cost), now, part.line)?)
 }
 
 /// A reservation as the core answered it.
@@ -250,12 +256,13 @@ pub fn reserve_one(
 ) -> PyResult<Reservation> {
     let this = limiter.get();
     let now = this.now(py)?;
-    let reserved = this.registry.reserve(key_str(key)?, cost, now, max_wait)?;
+    let (reserved, line) = this.registry.reserve(key_str(key)?, cost, now, max_wait)?;
     let part = Part {
         limiter: limiter.clone().unbind(),
         key: key.clone().unbind(),
         // A granted cost passed the cost rule: it is in 1..=capacity.
         cost: u64::try_from(cost).unwrap_or(0),
+        line,
     };
     reservation(py, vec![part], reserved, this.degraded())
 }
@@ -321,13 +328,15 @@ pub fn reserve_checks(
             now,
         })
         .collect();
-    let reserved = registry::reserve_all(&checks, max_wait)?;
+    let (reserved, lines) = registry::reserve_all(&checks, max_wait)?;
     let parts = parsed
         .iter()
-        .map(|(limiter, key, cost)| Part {
+        .zip(lines)
+        .map(|((limiter, key, cost), line)| Part {
             limiter: limiter.clone().unbind(),
             key: key.clone().unbind(),
             cost: u64::try_from(*cost).unwrap_or(0),
+            line,
         })
         .collect();
     reservation(py, parts, reserved, degraded)

@@ -3,7 +3,7 @@
 //!
 //! Layout: buckets live in a dense `Vec<Entry>`; an [`Index`] maps a key's hash
 //! to its position. The dense vector makes eviction incremental (a cursor walks
-//! it a few entries per call) and keeps an entry at 48 bytes with short keys
+//! it a few entries per call) and keeps an entry at 64 bytes with short keys
 //! stored inline. The index is split in [`SHARDS`] tables that grow on their
 //! own, so no call rehashes every key (docs/design.md §5: no call is slow; the
 //! vector's own growth is a `realloc`, which moves pages rather than copying
@@ -15,7 +15,7 @@ use compact_str::CompactString;
 use hashbrown::{DefaultHashBuilder, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 
-use crate::bucket::{Bucket, Decision, Reserved, Wait};
+use crate::bucket::{Bucket, Decision, Line, Reserved, Wait};
 use crate::error::{check_key, Error};
 use crate::rate::Config;
 
@@ -40,6 +40,9 @@ struct Entry {
     key: CompactString,
     bucket: Bucket,
 }
+
+// One cache line: a 24-byte key (inline up to 24 bytes) and a 40-byte bucket.
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
 
 /// An entry's place in the index: its position, and the low 32 bits of its key's
 /// hash, from which a shard rehashes it when it grows without reading the key.
@@ -281,6 +284,26 @@ impl Table {
         }
     }
 
+    /// Takes `cost` for a reservation already granted (by `reserve_all`'s
+    /// checks); returns the line a waiter keeps. Found again: making room may
+    /// have moved entries. At the table's latest time the wait can only be
+    /// shorter: still granted.
+    fn take(&mut self, config: &Config, hash: u64, key: &str, cost: u64) -> Option<Line> {
+        let now = self.latest;
+        if let Some(position) = self.find(hash, key) {
+            let before = self.entries[position].bucket.refilled(config, now);
+            let (_, after) = before.reserve(config, cost, None);
+            self.entries[position].bucket = after;
+            after.waiting_line(&before, cost)
+        } else {
+            let before = Bucket::full(config, now);
+            let (_, after) = before.reserve(config, cost, None);
+            self.insert(hash, key, after);
+            self.refusing_new = false;
+            after.waiting_line(&before, cost)
+        }
+    }
+
     fn count(&mut self, allowed: bool) {
         if allowed {
             self.stats.allowed += 1;
@@ -424,24 +447,26 @@ impl Registry {
         cost: i128,
         now: i64,
         max_wait: Wait,
-    ) -> Result<Reserved, Error> {
+    ) -> Result<(Reserved, Option<Line>), Error> {
         let (hash, cost) = self.check(key, cost)?;
         let config = &self.config;
         let mut table = self.table.lock();
         let now = table.observe(now);
         let mut log_no_room = false;
+        let mut line = None;
         let reserved = match table.slot(config, &self.hasher, self.max_keys, hash, key, now, true) {
             Slot::Held(position) => {
-                let (reserved, after) = table.entries[position]
-                    .bucket
-                    .refilled(config, now)
-                    .reserve(config, cost, max_wait);
+                let before = table.entries[position].bucket.refilled(config, now);
+                let (reserved, after) = before.reserve(config, cost, max_wait);
                 table.entries[position].bucket = after;
+                line = after.waiting_line(&before, cost);
                 reserved
             }
             Slot::New => {
-                let (reserved, after) = Bucket::full(config, now).reserve(config, cost, max_wait);
+                let before = Bucket::full(config, now);
+                let (reserved, after) = before.reserve(config, cost, max_wait);
                 if reserved.decision.allowed {
+                    line = after.waiting_line(&before, cost);
                     table.insert(hash, key, after);
                     table.refusing_new = false;
                 }
@@ -461,7 +486,7 @@ impl Registry {
         if log_no_room {
             self.log_no_room();
         }
-        Ok(reserved)
+        Ok((reserved, line))
     }
 
     /// Records `cost` tokens of use that already happened: any cost >= 1,
@@ -504,11 +529,13 @@ impl Registry {
         Ok(decision)
     }
 
-    /// Gives back `cost` tokens reserved earlier, never above capacity.
+    /// Gives back `cost` tokens taken earlier, never above capacity nor the
+    /// bucket's cap line (docs/design.md §4, "Giving back"); `line` is where
+    /// the reservation giving them back left it, when it waited.
     ///
     /// # Errors
     /// A bad key or cost; nothing changes then.
-    pub fn refund(&self, key: &str, cost: i128, now: i64) -> Result<(), Error> {
+    pub fn refund(&self, key: &str, cost: i128, now: i64, line: Option<Line>) -> Result<(), Error> {
         let (hash, cost) = self.check(key, cost)?;
         let config = &self.config;
         let mut table = self.table.lock();
@@ -516,7 +543,7 @@ impl Registry {
         // A missing bucket is full: there is nothing to give back.
         if let Some(position) = table.find(hash, key) {
             let bucket = &mut table.entries[position].bucket;
-            *bucket = bucket.refilled(config, now).refunded(config, cost);
+            *bucket = bucket.refilled(config, now).given_back(config, cost, line);
         }
         Ok(())
     }
@@ -578,7 +605,7 @@ impl Registry {
 /// # Errors
 /// As [`reserve_all`].
 pub fn allow_all(checks: &[Check<'_>]) -> Result<Decision, Error> {
-    reserve_all(checks, Some(0)).map(|reserved| reserved.decision)
+    reserve_all(checks, Some(0)).map(|(reserved, _)| reserved.decision)
 }
 
 /// Reserves each check's cost from every bucket at the same moment, all or
@@ -591,7 +618,10 @@ pub fn allow_all(checks: &[Check<'_>]) -> Result<Decision, Error> {
 ///
 /// # Panics
 /// Never: every registry named in `checks` is locked before it is looked up.
-pub fn reserve_all(checks: &[Check<'_>], max_wait: Wait) -> Result<Reserved, Error> {
+pub fn reserve_all(
+    checks: &[Check<'_>],
+    max_wait: Wait,
+) -> Result<(Reserved, Vec<Option<Line>>), Error> {
     if checks.is_empty() {
         return Err(Error::NoChecks);
     }
@@ -665,7 +695,8 @@ pub fn reserve_all(checks: &[Check<'_>], max_wait: Wait) -> Result<Reserved, Err
             }
         }
     }
-    for ((check, &hash), &cost) in checks.iter().zip(&hashes).zip(&costs) {
+    let mut lines = vec![None; checks.len()];
+    for (((check, &hash), &cost), line) in checks.iter().zip(&hashes).zip(&costs).zip(&mut lines) {
         let registry = check.registry;
         let config = &registry.config;
         let table = &mut tables[table_of(registry)];
@@ -673,20 +704,7 @@ pub fn reserve_all(checks: &[Check<'_>], max_wait: Wait) -> Result<Reserved, Err
         if !allowed {
             continue;
         }
-        // Found again: making room above may have moved entries. At the
-        // table's latest time the wait can only be shorter: still granted.
-        let now = table.latest;
-        if let Some(position) = table.find(hash, check.key) {
-            let (_, after) = table.entries[position]
-                .bucket
-                .refilled(config, now)
-                .reserve(config, cost, None);
-            table.entries[position].bucket = after;
-        } else {
-            let (_, after) = Bucket::full(config, now).reserve(config, cost, None);
-            table.insert(hash, check.key, after);
-            table.refusing_new = false;
-        }
+        *line = table.take(config, hash, check.key, cost);
     }
     for (registry, table) in registries.iter().zip(tables.iter_mut()) {
         table.sweep(&registry.config, &registry.hasher);
@@ -695,10 +713,11 @@ pub fn reserve_all(checks: &[Check<'_>], max_wait: Wait) -> Result<Reserved, Err
     for registry in log_no_room {
         registry.log_no_room();
     }
-    Ok(Reserved {
+    let reserved = Reserved {
         decision: combine(&decisions),
         delay,
-    })
+    };
+    Ok((reserved, lines))
 }
 
 /// The longer of two waits; `None` (never) is the longest.
@@ -900,15 +919,15 @@ mod tests {
                 },
             ]
         };
-        let r = reserve_all(&checks(1, 100), None).unwrap();
+        let r = reserve_all(&checks(1, 100), None).unwrap().0;
         assert!(r.decision.allowed);
         assert_eq!(r.delay, Some(0));
         // The tokens bucket is empty: 50 tokens take 5 s, the request 0 s.
-        let r = reserve_all(&checks(1, 50), None).unwrap();
+        let r = reserve_all(&checks(1, 50), None).unwrap().0;
         assert!(r.decision.allowed);
         assert_eq!(r.delay, Some(5_000_000));
         // Past max_wait: refused, and neither bucket is charged.
-        let r = reserve_all(&checks(1, 50), Some(1_000_000)).unwrap();
+        let r = reserve_all(&checks(1, 50), Some(1_000_000)).unwrap().0;
         assert!(!r.decision.allowed);
         assert_eq!(r.delay, Some(10_000_000));
         assert_eq!(r.decision.retry_after, Some(9_000_000));
@@ -919,8 +938,8 @@ mod tests {
     #[test]
     fn a_bucket_in_debt_is_never_evicted_and_reset_fills_it() {
         let r = registry(1, 1.0, Some(1));
-        assert_eq!(r.reserve("a", 1, 0, None).unwrap().delay, Some(0));
-        assert_eq!(r.reserve("a", 1, 0, None).unwrap().delay, Some(1_000_000));
+        assert_eq!(r.reserve("a", 1, 0, None).unwrap().0.delay, Some(0));
+        assert_eq!(r.reserve("a", 1, 0, None).unwrap().0.delay, Some(1_000_000));
         // At 1.5 s "a" is still owed half a token: no room for "b".
         assert!(!r.allow("b", 1, 1_500_000).unwrap().allowed);
         assert_eq!(r.len(), 1);

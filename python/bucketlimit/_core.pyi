@@ -167,7 +167,8 @@ class Reservation:
         """The ``Decision`` to report: allowed, or refused with ``retry_after``."""
     def __bool__(self) -> bool: ...
     def cancel(self) -> None:
-        """Gives every token back (capped at capacity). Once; nothing for a refusal."""
+        """Gives every token back, capped at capacity and by docs/design.md §4 "Giving
+        back" (not what a later waiter would share). Once; nothing for a refusal."""
     def settle(self, used: SupportsIndex | Sequence[SupportsIndex]) -> None:
         """The actual use: gives back ``cost - used``, or charges ``used - cost`` more.
 

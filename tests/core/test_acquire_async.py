@@ -19,7 +19,7 @@ import pytest
 
 from bucketlimit import Decision, TokenBucketLimiter, acquire_all_async
 from bucketlimit.testing import ManualClock
-from tests.support.reference import ReferenceLimiter, answer_of
+from tests.support.reference import Line, ReferenceLimiter, answer_of
 
 
 def frozen_limiter(capacity: int, rate: float) -> tuple[TokenBucketLimiter, ManualClock]:
@@ -55,43 +55,66 @@ def test_1000_tasks_with_cancels_and_wait_for_timeouts_end_where_the_model_says(
     capacity, rate = 10, 20_000.0  # 1,000 waiters in 50 ms of asyncio sleeps
     limiter, _ = frozen_limiter(capacity, rate)
     rng = random.Random(7)
+    # What happened, in order: ("reserve", task, cost, timeout) when a task's
+    # acquire_async starts, ("stop", task) when it was cancelled or timed out.
+    events: list[tuple[Any, ...]] = []
 
-    async def main() -> tuple[int, int]:
+    async def acquire(task: int, cost: int, timeout: float | None) -> Decision:
+        events.append(("reserve", task, cost, timeout))
+        try:
+            return await limiter.acquire_async("k", cost, timeout=timeout)
+        except asyncio.CancelledError:
+            events.append(("stop", task))  # its give-back has been made
+            raise
+
+    async def main() -> int:
         tasks: list[asyncio.Task[Decision]] = []
-        costs: list[int] = []
         for i in range(1000):
             cost = rng.randint(1, 5)
-            costs.append(cost)
             if i % 7 == 3:
-                acquiring: Coroutine[Any, Any, Decision] = limiter.acquire_async("k", cost)
-                tasks.append(asyncio.ensure_future(asyncio.wait_for(acquiring, rng.random() / 50)))
+                timed = asyncio.wait_for(acquire(i, cost, None), rng.random() / 50)
+                tasks.append(asyncio.ensure_future(timed))
             elif i % 11 == 5:
-                tasks.append(asyncio.create_task(limiter.acquire_async("k", cost, timeout=0.01)))
+                tasks.append(asyncio.create_task(acquire(i, cost, 0.01)))
             else:
-                tasks.append(asyncio.create_task(limiter.acquire_async("k", cost)))
+                tasks.append(asyncio.create_task(acquire(i, cost, None)))
         await asyncio.sleep(0)  # every task has reserved
         for _ in range(300):
             rng.choice(tasks).cancel()
             await asyncio.sleep(rng.random() / 5000)
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        kept = stopped = 0
-        for cost, result in zip(costs, results, strict=True):
-            if isinstance(result, Decision):
-                if result:
-                    kept += cost
-            else:
+        for result in results:
+            if not isinstance(result, Decision):
                 # asyncio.TimeoutError: on Python 3.10 it is not the builtin TimeoutError.
                 assert isinstance(result, (asyncio.CancelledError, asyncio.TimeoutError))
-                stopped += 1
-        return kept, stopped
+        return sum(1 for r in results if not isinstance(r, Decision))
 
-    kept, stopped = asyncio.run(main())
+    stopped = asyncio.run(main())
     assert stopped > 100
-    # Every cancelled or timed-out waiter gave its tokens back: the bucket holds
-    # exactly the debt of those that completed (the clock never moved).
+    # Replayed on the model in the order it happened (the clock never moved): every
+    # waiter stopped gave its tokens back as docs/design.md §4 "Giving back" says, the
+    # last of the queue exactly, one with others waiting behind it without making room
+    # for a newcomer alongside or before them.
     model = ReferenceLimiter(capacity, rate)
-    model.charge("k", kept, 0)
+    held: dict[int, tuple[int, Line | None]] = {}
+    granted = 0
+    for event in events:
+        if event[0] == "reserve":
+            _, task, cost, timeout = event
+            max_wait = None if timeout is None else round(timeout * 1_000_000)
+            answer, _, line = model.reserve_with_line("k", cost, 0, max_wait)
+            if answer.allowed:
+                held[task] = (cost, line)
+                granted += cost
+        elif event[1] in held:
+            cost, line = held.pop(event[1])
+            model.refund("k", cost, 0, line)
     assert answer_of(limiter.peek("k")) == model.peek("k", 1, 0)
+    # Stopped waiters at the end of the queue did give tokens back: the wait is
+    # shorter than if every reservation had been kept.
+    everything = ReferenceLimiter(capacity, rate)
+    everything.charge("k", granted, 0)
+    assert limiter.peek("k").retry_after < everything.peek("k", 1, 0).retry_after
 
 
 def test_cancelled_before_it_starts_takes_nothing() -> None:

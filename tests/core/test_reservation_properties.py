@@ -30,7 +30,7 @@ from tests.core.test_properties import (
     starts,
     waits,
 )
-from tests.support.reference import ReferenceLimiter, answer_of, seconds, to_micros
+from tests.support.reference import Line, ReferenceLimiter, answer_of, seconds, to_micros
 from tests.support.reference import reserve_all as model_reserve_all
 
 keys = st.sampled_from(KEYS)
@@ -66,6 +66,8 @@ class Held:
     key: str
     cost: int
     ready: int  # µs
+    line: Line | None  # the model's line, where it waited
+    made: int  # the model's write count after it
     used: int | None = None  # tokens used at ``ready``; None while not settled
     cancelled: bool = False
 
@@ -112,46 +114,41 @@ class Run:
     def reserve(self, key: str, cost: int, max_wait: float | None) -> None:
         now = self.now()
         reservation = self.limiter.reserve(key, cost, max_wait=max_wait)
-        answer, delay = self.model.reserve(key, cost, now, wait_micros(max_wait))
+        answer, delay, line = self.model.reserve_with_line(key, cost, now, wait_micros(max_wait))
         assert answer_of(reservation.decision) == answer, (key, cost, max_wait)
         assert reservation.delay == seconds(delay), (key, cost, max_wait)
         assert bool(reservation) is answer.allowed
         assert (reservation.key, reservation.cost) == (key, cost)
         if reservation:
             assert delay is not None
-            self.held.append(Held(reservation, key, cost, now + delay))
+            self.held.append(Held(reservation, key, cost, now + delay, line, self.model.writes))
 
     def open_reservations(self) -> list[Held]:
         return [h for h in self.held if h.used is None and not h.cancelled]
 
-    def cancel(self, seed: int, *, last_only: bool = False) -> None:
-        """Cancels a reservation still waiting (a cancel after the use would be a lie).
-
-        ``last_only``: only one with no reservation of its key waiting behind it.
-        """
+    def cancel(self, seed: int) -> None:
+        """Cancels a reservation still waiting (a cancel after the use would be a lie)."""
         waiting = [h for h in self.open_reservations() if h.ready > self.now()]
-        if last_only:
-            waiting = [h for h in waiting if h is self.last_of(h.key)]
         if not waiting:
             return
         held = waiting[seed % len(waiting)]
         held.reservation.cancel()
         held.reservation.cancel()  # the second changes nothing
-        self.model.refund(held.key, held.cost, self.now())
+        self.model.refund(held.key, held.cost, self.now(), held.line)
         held.cancelled = True
 
-    def last_of(self, key: str) -> Held | None:
-        """The latest reservation of ``key`` not cancelled."""
-        for h in reversed(self.held):
-            if h.key == key and not h.cancelled:
-                return h
-        return None
-
-    def settle(self, seed: int, used_seed: int, *, last_only: bool = False) -> None:
-        """Settles a reservation whose tokens were used: refund or charge the difference."""
+    def settleable(self, *, fresh_only: bool = False) -> list[Held]:
+        """Reservations whose tokens were used; ``fresh_only``: and whose bucket has not
+        been full since they were made (docs/design.md §4, "Giving back": a give-back
+        after that may take headroom others left, which the bound does not cover)."""
         ready = [h for h in self.open_reservations() if h.ready <= self.now()]
-        if last_only:
-            ready = [h for h in ready if h is self.last_of(h.key)]
+        if fresh_only:
+            ready = [h for h in ready if self.model.filled.get(h.key, -1) < h.made]
+        return ready
+
+    def settle(self, seed: int, used_seed: int, *, fresh_only: bool = False) -> None:
+        """Settles a reservation whose tokens were used: refund or charge the difference."""
+        ready = self.settleable(fresh_only=fresh_only)
         if not ready:
             return
         held = ready[seed % len(ready)]
@@ -159,7 +156,7 @@ class Run:
         held.reservation.settle(used)
         held.reservation.settle(0)  # settling twice changes nothing
         if used < held.cost:
-            self.model.refund(held.key, held.cost - used, self.now())
+            self.model.refund(held.key, held.cost - used, self.now(), held.line)
         elif used > held.cost:
             self.model.charge(held.key, used - held.cost, self.now())
         held.used = used
@@ -241,24 +238,20 @@ no_charges = st.lists(
 def test_tokens_used_at_their_ready_times_obey_the_bound(
     config: Config, start: int | float, trace: list[tuple[Any, ...]]
 ) -> None:
-    """Charges are left out: they record use that happened beyond the limit. Tokens
-    are given back (cancel, settle below the estimate) only by the last reservation
-    of a key: given back while others wait behind, they go to the next newcomer
-    while those behind keep their times, which the bound does not cover (docs/design.md §4,
-    "Giving back")."""
+    """Charges are left out: they record use that happened beyond the limit. Any
+    waiting reservation may be cancelled, also with others waiting behind it (their
+    times do not move, and what they would share is not given back). A settle gives
+    back only while its bucket has not been full since the reservation was made
+    (docs/design.md §4, "Giving back")."""
     run = Run(config, FakeClock(start))
     for op in trace:
-        if op[0] == "cancel":
-            run.cancel(op[1], last_only=True)
-            continue
         if op[0] == "settle":
             # Within the estimate only: an overage is use beyond the limit.
             seed, used_seed = op[1], op[2]
-            ready = [h for h in run.open_reservations() if h.ready <= run.now()]
-            ready = [h for h in ready if h is run.last_of(h.key)]
+            ready = run.settleable(fresh_only=True)
             if ready:
                 held = ready[seed % len(ready)]
-                run.settle(seed, used_seed % (held.cost + 1), last_only=True)
+                run.settle(seed, used_seed % (held.cost + 1), fresh_only=True)
             continue
         run.apply(op)
     for key in KEYS:

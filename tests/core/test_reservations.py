@@ -123,9 +123,20 @@ def test_cancel_gives_the_tokens_back_and_later_waits_do_not_move(
     waiting = limiter.reserve("k", 2)
     after = limiter.reserve("k", 1)
     assert (waiting.delay, after.delay) == (2.0, 3.0)
+    # The last of the queue gives back exactly, as if it had never been made.
+    newcomer = limiter.reserve("k", 1)
+    assert newcomer.delay == 4.0
+    newcomer.cancel()
+    assert limiter.peek("k").retry_after == 4.0
+    # Ahead of a waiter nothing comes back: `after` keeps its time, and nobody may
+    # use those tokens alongside or before it (docs/design.md §4, "Giving back").
     waiting.cancel()
     waiting.cancel()  # once
-    assert limiter.peek("k").retry_after == 2.0  # only `after` (1) still owed
+    assert limiter.peek("k").retry_after == 4.0
+    assert limiter.reserve("k", 1, max_wait=3.5).delay == 4.0  # refused: 4 s needed
+    # `after` is the last now: its tokens come back exactly.
+    after.cancel()
+    assert limiter.peek("k").retry_after == 3.0
     # Capped at capacity: a cancel never makes a bucket fuller than full.
     fresh = TokenBucketLimiter(5, 1, clock=manual_clock)
     held = fresh.reserve("k", 5)

@@ -86,6 +86,18 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass(frozen=True)
+class Line:
+    """Where a waiting reservation left its bucket's cap line (docs/design.md §4,
+    "Giving back"): the bucket's time, ``balance + headroom`` right after it, the
+    headroom before it and its cost."""
+
+    last: int
+    cap: int
+    headroom_before: int
+    cost: int
+
+
 class ReferenceLimiter:
     """One limiter: exact integer buckets keyed by string, nothing evicted.
 
@@ -101,8 +113,13 @@ class ReferenceLimiter:
         self.p = tokens_per_second.numerator  # units refilled per microsecond
         self.unit = tokens_per_second.denominator * MICROS  # units in one token
         self.full = capacity * self.unit
-        # key -> (balance in units, last time in µs)
-        self.buckets: dict[str, tuple[int, int]] = {}
+        # key -> (balance in units, last time in µs, headroom in units)
+        self.buckets: dict[str, tuple[int, int, int]] = {}
+        # Writes so far, and key -> the write at which its bucket was last found
+        # full (refilled to full, new, or reset): a give-back after it may take
+        # headroom others left (docs/design.md §4, "Giving back").
+        self.writes = 0
+        self.filled: dict[str, int] = {}
         # The latest time any spending call has seen; never goes back.
         self.time: int | None = None
         self.allowed = 0
@@ -121,15 +138,43 @@ class ReferenceLimiter:
 
     def balance_at(self, key: str, now: int) -> int:
         """The key's balance refilled to ``now``; a missing bucket is full."""
-        if key not in self.buckets:
-            return self.full
-        balance, last = self.buckets[key]
-        elapsed = max(0, now - last)
-        return min(self.full, balance + elapsed * self.p)
+        return self.bucket_at(key, now)[0]
 
-    def store(self, key: str, balance: int, now: int) -> None:
-        _, last = self.buckets.get(key, (self.full, now))
-        self.buckets[key] = (balance, max(last, now))
+    def bucket_at(self, key: str, now: int) -> tuple[int, int]:
+        """(balance, headroom) refilled to ``now`` (docs/design.md §4, "Giving back"):
+        full means headroom 0; else the headroom stays, within ``full - balance``."""
+        if key not in self.buckets:
+            return self.full, 0
+        balance, last, headroom = self.buckets[key]
+        elapsed = max(0, now - last)
+        if balance + elapsed * self.p >= self.full:
+            return self.full, 0
+        balance += elapsed * self.p
+        return balance, min(headroom, self.full - balance)
+
+    def store(self, key: str, balance: int, now: int, headroom: int) -> None:
+        _, last, _ = self.buckets.get(key, (self.full, now, 0))
+        if self.bucket_at(key, now)[0] == self.full:
+            self.filled[key] = self.writes
+        self.writes += 1
+        assert 0 <= headroom <= self.full - balance
+        self.buckets[key] = (balance, max(last, now), headroom)
+
+    def spend(self, key: str, cost: int, now: int) -> Line | None:
+        """Takes ``cost`` tokens (granted) at ``now``; the line of a waiter, else None.
+
+        Not waiting: the cap line stays, so the headroom grows by what was spent.
+        Waiting (the balance goes below zero): the headroom drops to 0."""
+        balance, headroom = self.bucket_at(key, now)
+        after = balance - cost * self.unit
+        if after >= 0:
+            self.store(key, after, now, min(headroom + cost * self.unit, self.full - after))
+            return None
+        self.store(key, after, now, 0)
+        return Line(last=self.time_of(key), cap=after, headroom_before=headroom, cost=cost)
+
+    def time_of(self, key: str) -> int:
+        return self.buckets[key][1]
 
     # -- answers -----------------------------------------------------------
 
@@ -167,24 +212,44 @@ class ReferenceLimiter:
     def allow(self, key: str, cost: int, now: int) -> Answer:
         self.check_cost(cost)
         now = self.observe(now)
-        answer, balance = self.decide(self.balance_at(key, now), cost)
-        self.store(key, balance, now)
+        answer, _ = self.decide(self.balance_at(key, now), cost)
         if answer.allowed:
+            self.spend(key, cost, now)
             self.allowed += 1
         else:
+            self.touch(key, now)
             self.refused += 1
         return answer
+
+    def touch(self, key: str, now: int) -> None:
+        """Refills a held bucket to ``now`` without spending (a refusal)."""
+        if key in self.buckets:
+            balance, headroom = self.bucket_at(key, now)
+            self.store(key, balance, now, headroom)
 
     def peek(self, key: str, cost: int, now: int) -> Answer:
         self.check_cost(cost)
         now = self.current(now)
         return self.decide(self.balance_at(key, now), cost)[0]
 
-    def refund(self, key: str, cost: int, now: int) -> None:
+    def refund(self, key: str, cost: int, now: int, line: Line | None = None) -> None:
+        """Gives ``cost`` tokens back (docs/design.md §4, "Giving back"): found on the
+        line a waiter left (only refilled since), it is undone exactly; else it takes
+        headroom, never above capacity."""
         self.check_cost(cost)
         now = self.observe(now)
-        balance = self.balance_at(key, now)
-        self.store(key, min(self.full, balance + cost * self.unit), now)
+        if key not in self.buckets:
+            return  # a missing bucket is full: nothing to give back
+        balance, headroom = self.bucket_at(key, now)
+        last = max(self.time_of(key), now)
+        back = cost * self.unit
+        if line is not None and line.cap + (last - line.last) * self.p == balance + headroom:
+            balance = min(self.full, balance + back)
+            kept = line.headroom_before if cost >= line.cost else headroom
+            self.store(key, balance, now, min(kept, self.full - balance))
+            return
+        back = min(back, headroom)
+        self.store(key, balance + back, now, headroom - back)
 
     # -- reservations (docs/design.md §4): the balance may go below zero -------------
 
@@ -215,29 +280,41 @@ class ReferenceLimiter:
         self, key: str, cost: int, now: int, max_wait: int | None
     ) -> tuple[Answer, int | None]:
         """``reserve(key, cost, max_wait=...)`` with ``max_wait`` in µs (None: no limit)."""
+        answer, delay, _ = self.reserve_with_line(key, cost, now, max_wait)
+        return answer, delay
+
+    def reserve_with_line(
+        self, key: str, cost: int, now: int, max_wait: int | None
+    ) -> tuple[Answer, int | None, Line | None]:
+        """:meth:`reserve`, and the line a waiter keeps for its give-back."""
         self.check_cost(cost)
         now = self.observe(now)
-        answer, delay, balance = self.reserve_from(self.balance_at(key, now), cost, max_wait)
-        self.store(key, balance, now)
+        answer, delay, _ = self.reserve_from(self.balance_at(key, now), cost, max_wait)
+        line = None
         if answer.allowed:
+            line = self.spend(key, cost, now)
             self.allowed += 1
         else:
+            self.touch(key, now)
             self.refused += 1
-        return answer, delay
+        return answer, delay, line
 
     def charge(self, key: str, cost: int, now: int) -> Answer:
         """Use that happened: debt allowed, down to the bound, where it stops."""
         if cost < 1:
             raise ValueError(f"cost {cost} below 1")
         now = self.observe(now)
-        after = max(self.floor, self.balance_at(key, now) - cost * self.unit)
-        self.store(key, after, now)
+        balance, headroom = self.bucket_at(key, now)
+        after = max(self.floor, balance - cost * self.unit)
+        self.store(key, after, now, min(headroom + balance - after, self.full - after))
         if after >= 0:
             return self.describe(after, True, 0)
         return self.describe(after, False, self.wait(-after))
 
     def reset(self, key: str) -> None:
         self.buckets.pop(key, None)
+        self.filled[key] = self.writes
+        self.writes += 1
 
     def clear(self) -> None:
         self.buckets.clear()
@@ -259,21 +336,23 @@ def _all_or_nothing(
     charges: Sequence[tuple[ReferenceLimiter, str, int]],
     balances: list[int],
     answers: list[Answer],
-) -> Answer:
+) -> tuple[Answer, list[Line | None]]:
     """Spends every (limiter, key, cost) if every answer allowed, counts, and combines:
     allowed if all allow; retry_after the longest refusal's; the rest from the bucket
     with the fewest remaining tokens (the first on a tie)."""
     allowed = all(a.allowed for a in answers)
+    lines: list[Line | None] = []
     for limiter, key, cost in charges:
+        # Spent at the limiter's latest time (a limiter named twice may
+        # have read its clock twice).
+        assert limiter.time is not None
         if allowed:
             limiter.allowed += 1
-            # Spent at the limiter's latest time (a limiter named twice may
-            # have read its clock twice).
-            assert limiter.time is not None
-            now = limiter.time
-            limiter.store(key, limiter.balance_at(key, now) - cost * limiter.unit, now)
+            lines.append(limiter.spend(key, cost, limiter.time))
         else:
+            limiter.touch(key, limiter.time)
             limiter.refused += 1
+            lines.append(None)
     if not allowed:
         # Nothing was spent: the buckets that would have allowed are
         # reported as they stand, not as if charged.
@@ -286,13 +365,14 @@ def _all_or_nothing(
         if answer.remaining < tightest.remaining:  # first one wins a tie
             tightest = answer
     retry_after = max((a.retry_after for a in answers if not a.allowed), default=0.0)
-    return Answer(
+    combined = Answer(
         allowed=allowed,
         retry_after=retry_after,
         remaining=tightest.remaining,
         reset_after=tightest.reset_after,
         limit=tightest.limit,
     )
+    return combined, lines
 
 
 def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) -> Answer:
@@ -309,7 +389,7 @@ def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) ->
         balance = limiter.balance_at(key, now)
         balances.append(balance)
         answers.append(limiter.decide(balance, cost)[0])
-    return _all_or_nothing(charges, balances, answers)
+    return _all_or_nothing(charges, balances, answers)[0]
 
 
 def reserve_all(
@@ -317,6 +397,14 @@ def reserve_all(
 ) -> tuple[Answer, int | None]:
     """docs/design.md §2's ``reserve_all``: ``(limiter, key, cost, reading µs)`` checks, all or
     nothing; the delay is the longest (None: never)."""
+    answer, delay, _ = reserve_all_with_lines(checks, max_wait)
+    return answer, delay
+
+
+def reserve_all_with_lines(
+    checks: Sequence[tuple[ReferenceLimiter, str, int, int]], max_wait: int | None
+) -> tuple[Answer, int | None, list[Line | None]]:
+    """:func:`reserve_all`, and each bucket's line (None where it did not wait)."""
     charges = [(limiter, key, cost) for limiter, key, cost, _ in checks]
     _check(charges, "reserve_all")
     answers: list[Answer] = []
@@ -329,4 +417,5 @@ def reserve_all(
         answer, own_delay, _ = limiter.reserve_from(balance, cost, max_wait)
         answers.append(answer)
         delay = None if delay is None or own_delay is None else max(delay, own_delay)
-    return _all_or_nothing(charges, balances, answers), delay
+    answer, lines = _all_or_nothing(charges, balances, answers)
+    return answer, delay, lines
