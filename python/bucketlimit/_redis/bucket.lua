@@ -23,16 +23,17 @@
 -- ARGV[1]   unused ('')
 -- ARGV[2]   the mode: 'a' allow, 'p' peek (allow without writing), 'v' reserve,
 --           'c' charge, 'r' give back (refund, cancel, settle below the cost)
--- then 7 values per key:
+-- then 9 values per key:
 --           now   microseconds, or '' to read the server's TIME
 --           capacity, unit (units per token), p (units refilled per µs), cost
---           x, y  reserve: x = max_wait in µs ('': no limit);
---                 give back: the reservation's line (x = l, y = cap; '': none)
+--           then 4 more: for a reservation its max_wait in µs ('': no limit);
+--           for a give-back the reservation's line, where it waited: l, cap,
+--           the headroom before it and its cost ('': none)
 --
 -- Each limiter runs its own form (script.py, specialize): the line marked
 -- "config" below with the limiter's three numbers written in. It takes one
 -- key, and ARGV is only cost (1 when absent), then the mode ('a' when absent),
--- then now (the server's TIME when absent), then x and y: the common call, an
+-- then now (the server's TIME when absent), then the 4 more: the common call, an
 -- allow of one token on the server's clock, sends no argument at all. Both
 -- forms do the same arithmetic, in the same lines.
 --
@@ -55,9 +56,10 @@
 -- With several keys a fourth value, the limit, follows. A reservation always
 -- replies {retry_after_us, remaining, reset_after_us, limit, delay_us, line
 -- per key}: delay_us the longest wait of its buckets (-1: never), and each
--- line {l, cap} where the reservation waits in that bucket (the bucket's L
--- and balance right after it, when its H is 0), {} where it does not; a
--- give-back of the reservation sends its line back.
+-- line {l, cap, headroom before} where the reservation waits in that bucket
+-- (the bucket's L and balance right after it, when its H is 0, and its H
+-- before it), {} where it does not; a give-back of the reservation sends its
+-- line back, with the reservation's cost.
 -- Several keys are combined like reserve_all in src/registry.rs: retry_after
 -- the longest among refusals, the rest from the bucket with the fewest
 -- remaining tokens (first on a tie).
@@ -97,7 +99,7 @@ end
 
 for pass = 1, passes do
   for i = 1, n do
-    local a = 2 + (i - 1) * 7
+    local a = 2 + (i - 1) * 9
     local capacity, unit, p, cost, x = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), a + 6 -- config
     local now = ARGV[a + 1]
     if now == nil or now == '' then
@@ -200,16 +202,20 @@ for pass = 1, passes do
         -- A missing bucket is full: there is nothing to give back.
         write = value ~= false
         local headroom = h or full - b
-        local line_l, line_cap = ARGV[x], ARGV[x + 1]
+        local line_l = ARGV[x]
         local last = false
         if line_l and line_l ~= '' then
           -- Still the last waiter: the cap line is where it left it, refilled since.
           local elapsed = l - tonumber(line_l)
-          last = elapsed >= 0 and elapsed * p == b + headroom - tonumber(line_cap)
+          last = elapsed >= 0 and elapsed * p == b + headroom - tonumber(ARGV[x + 1])
         end
         if last then
-          -- The exact undo: the previous waiter becomes the last again.
+          -- The exact undo: the previous waiter becomes the last again. All of
+          -- it back: as if it had never been made (its headroom before it).
           b = min(full, b + need)
+          if cost >= tonumber(ARGV[x + 3]) then
+            h = tonumber(ARGV[x + 2])
+          end
           if h and h >= full - b then
             h = nil
           end
@@ -239,8 +245,9 @@ for pass = 1, passes do
         if mode == 'v' and b - need < 0 then
           -- A waiter: the cap line drops to its balance, so nothing given back
           -- by those before it can be used alongside or before it.
+          local before = h or full - b
           b, h = b - need, 0
-          lines[i] = {l, b}
+          lines[i] = {l, b, before}
         else
           b = b - need
           -- The cap line does not move: the headroom grows by what was spent.

@@ -109,8 +109,9 @@ class _Pending(enum.Enum):
 #: ``call.argv``): the driver sends it and hands the outcome to the next step.
 PENDING: Final = _Pending.PENDING
 #: Where a waiting reservation left a bucket's cap line: the bucket's time and
-#: balance right after it (docs/design.md §4, "Giving back"); its give-back sends it.
-Line = tuple[int, int]
+#: balance right after it, and the headroom before it (docs/design.md §4, "Giving
+#: back"); its give-back sends it, with the reservation's cost.
+Line = tuple[int, int, int]
 
 
 class Reserved:
@@ -586,12 +587,13 @@ class RedisLimiter(Generic[C]):
         charge ends at the debt bound, so the script never multiplies past 2**53."""
         return min(cost, (1 + MAX_DEBT_CAPACITIES) * self._capacity)
 
-    def _give_back_call(self, key: str, cost: int, line: Line | None) -> Call:
-        """A reservation's give-back (cancel, settle below its cost), with its line
-        where it waited (docs/design.md §4, "Giving back")."""
+    def _give_back_call(self, key: str, cost: int, line: Line | None, reserved: int) -> Call:
+        """A give-back of ``cost`` by a reservation of ``reserved`` tokens (cancel,
+        settle below its cost), with its line where it waited (docs/design.md §4,
+        "Giving back")."""
         args: tuple[Any, ...] = (cost, REFUND.value, self._now())
         if line is not None:
-            args += line
+            args += (*line, reserved)
         return Call(REFUND, key, cost, self._own, [self._keys.bucket(key)], args)
 
     def _reset_call(self, key: str) -> Call:
@@ -706,7 +708,7 @@ class RedisLimiter(Generic[C]):
         if mode is RESERVE:
             # {retry_after, remaining, reset_after, limit, delay, line per key}
             delay = reply[4] / 1_000_000 if reply[4] >= 0 else math.inf
-            lines: list[Line | None] = [(x[0], x[1]) if x else None for x in reply[5:]]
+            lines: list[Line | None] = [(x[0], x[1], x[2]) if x else None for x in reply[5:]]
             refusals = self._refusals
             if refusals is not None and call.checks is None:
                 if not answer.allowed:
@@ -958,21 +960,22 @@ def all_call(
     if not parts:
         raise ValueError(f"{what} needs at least one (limiter, key)")
     x = NONE if wait is None else wait
-    return parts_call(mode, parts, [(x, NONE)] * len(parts), max_wait=wait)
+    return parts_call(mode, parts, [(x, NONE, NONE, NONE)] * len(parts), max_wait=wait)
 
 
 def parts_call(
     mode: Mode,
     parts: Sequence[Part],
-    extra: Sequence[tuple[Any, Any]],
+    extra: Sequence[tuple[Any, Any, Any, Any]],
     *,
     max_wait: int | None = None,
 ) -> tuple[RedisLimiter[Any], Call]:
     """One general-form script over ``parts`` (checked already): ``extra`` is each
-    bucket's x and y (bucket.lua: a reservation's max_wait, a give-back's line)."""
+    bucket's 4 more values (bucket.lua: a reservation's max_wait, a give-back's
+    line and the reservation's cost)."""
     keys: list[bytes] = []
     args: list[Any] = [NONE, mode.value]
-    for (limiter, key, cost), (x, y) in zip(parts, extra):
+    for (limiter, key, cost), more in zip(parts, extra):
         bucket = limiter._keys.bucket(key)
         if bucket in keys:
             # Two limiters with one prefix: the script would read the bucket twice
@@ -983,7 +986,7 @@ def parts_call(
             )
         keys.append(bucket)
         sent = limiter._charged(cost) if mode is CHARGE else cost
-        args += [limiter._now(), *limiter._config_args, sent, x, y]
+        args += [limiter._now(), *limiter._config_args, sent, *more]
     first = parts[0][0]
     if first._cluster:
         check_one_slot(keys)
@@ -1135,7 +1138,7 @@ class ReservationState:
             limiter, key, cost = charges[0]
             calls.append((limiter, limiter._charge_call(key, cost)))
         elif charges:
-            calls.append(parts_call(CHARGE, charges, [(NONE, NONE)] * len(charges)))
+            calls.append(parts_call(CHARGE, charges, [(NONE,) * 4] * len(charges)))
         return calls
 
     def _give_backs(self, backs: list[tuple[int, int]]) -> list[tuple[RedisLimiter[Any], Call]]:
@@ -1145,10 +1148,13 @@ class ReservationState:
             return []
         if len(backs) == 1:
             i, cost = backs[0]
-            limiter, key, _ = self._parts[i]
-            return [(limiter, limiter._give_back_call(key, cost, self._lines[i]))]
+            limiter, key, reserved = self._parts[i]
+            return [(limiter, limiter._give_back_call(key, cost, self._lines[i], reserved))]
         parts = [(self._parts[i][0], self._parts[i][1], cost) for i, cost in backs]
-        extra = [self._lines[i] or (NONE, NONE) for i, _ in backs]
+        extra: list[tuple[Any, Any, Any, Any]] = []
+        for i, _ in backs:
+            line = self._lines[i]
+            extra.append((NONE,) * 4 if line is None else (*line, self._parts[i][2]))
         return [parts_call(REFUND, parts, extra)]
 
 

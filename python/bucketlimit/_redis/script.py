@@ -42,13 +42,13 @@ ALLOW, PEEK, REFUND, RESET, CHECK = Mode.ALLOW, Mode.PEEK, Mode.REFUND, Mode.RES
 RESERVE, CHARGE = Mode.RESERVE, Mode.CHARGE
 
 #: The values the general form takes per key (bucket.lua): now, capacity, unit, p,
-#: cost, then x and y (a reservation's max_wait; a give-back's line).
-PER_KEY: Final = 7
+#: cost, then 4 more (a reservation's max_wait; a give-back's line and cost).
+PER_KEY: Final = 9
 
-#: Where the own form reads x and y (bucket.lua's config line: ``x = 4``).
+#: Where the own form reads its 4 more (bucket.lua's config line: ``x = 4``).
 OWN_X: Final = 4
 
-#: The ``x`` / ``y`` that say "none": no max_wait, no line.
+#: The value that says "none": no max_wait, no line.
 NONE: Final = b""
 
 
@@ -76,7 +76,7 @@ _CONFIG_LINE: Final = re.compile(
 def specialize(template: str, capacity: int, unit: int, p: int) -> str:
     """A limiter's own form of the script: ``template`` (bucket.lua) with the limiter's
     configuration written into the line marked ``config`` (the cost is the script's
-    ARGV[1], x and y follow now), so that a call sends one key and at most five
+    ARGV[1], the 4 more follow now), so that a call sends one key and at most seven
     arguments. Comment lines are dropped: Redis keeps one copy of each
     distinct script for as long as it runs."""
     source, found = _CONFIG_LINE.subn(rf"\g<1>{capacity}, {unit}, {p}, cost, {OWN_X}", template)
