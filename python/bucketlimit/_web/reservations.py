@@ -73,7 +73,7 @@ class Reservation(_ReservationBase[SyncLimiter]):
     (``limiter.charge``: the use happened, so the bucket may go into debt and
     later callers wait for it); later calls do nothing and return 0, so it is safe
     in a ``finally`` or a callback that may run twice. A limiter without
-    ``charge`` (the Redis ones, for now) keeps the reservation's charge. A refused
+    ``charge`` (one of your own) keeps the reservation's charge. A refused
     or exempt reservation holds nothing to give back and is charged nothing.
     """
 

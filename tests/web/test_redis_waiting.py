@@ -1,0 +1,146 @@
+"""The adapters' ``max_wait`` and ``settle`` overage with the Redis limiters, as with
+the in-process one (docs/web.md, "Waiting instead of refusing"): a real Flask app
+over ``RedisTokenBucketLimiter`` and a real FastAPI app over
+``AsyncRedisTokenBucketLimiter``, a real redis-server, time on a ManualClock."""
+
+# No `from __future__ import annotations`: FastAPI must see the route's annotations.
+import asyncio
+import itertools
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import redis.asyncio
+from fastapi import Depends, FastAPI
+from flask import Flask
+
+from bucketlimit import fastapi as bl_fastapi
+from bucketlimit import flask as bl_flask
+from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
+from bucketlimit.testing import ManualClock
+
+PEER = "198.51.100.7"
+_prefixes = itertools.count()
+
+
+def fresh() -> str:
+    return f"web-wait-{next(_prefixes)}:"
+
+
+def flask_app(limit: bl_flask.Limit) -> Flask:
+    app = Flask(__name__)
+    app.testing = True
+
+    @app.get("/hello")
+    @limit
+    def hello() -> dict[str, str]:
+        return {"hello": "world"}
+
+    return app
+
+
+def test_flask_max_wait_and_settle_over_redis(redis_client: redis.Redis) -> None:
+    clock = ManualClock()
+    limiter = RedisTokenBucketLimiter(redis_client, 2, 1, clock, prefix=fresh())
+    app = flask_app(bl_flask.Limit(limiter, max_wait=1.5))
+    client = app.test_client()
+
+    def get() -> Any:
+        return client.get("/hello", environ_base={"REMOTE_ADDR": PEER})
+
+    assert [get().status_code for _ in range(2)] == [200, 200]
+    # The third waits 1 s for its token, sleeping on the limiter's clock.
+    assert get().status_code == 200
+    assert clock.now == 1.0
+    limiter.reserve(PEER, 1)  # another process's waiter: the next would wait 2 s
+    refused = get()
+    assert refused.status_code == 429
+    assert refused.headers["Retry-After"] == "1"
+    assert clock.now == 1.0, "refused at once, nothing spent"
+    assert limiter.peek(PEER).retry_after == 2.0
+
+    # settle() above the estimate charges the overage in Redis.
+    tokens = RedisTokenBucketLimiter(redis_client, 100, 10, clock, prefix=fresh())
+    overage = Flask(__name__)
+
+    @overage.get("/complete")
+    @bl_flask.Limit(tokens, cost=20, name="tokens")
+    def complete() -> dict[str, int]:
+        bl_flask.reservation("tokens").settle(50)  # longer than the estimate
+        return {"used": 50}
+
+    answer = overage.test_client().get("/complete", environ_base={"REMOTE_ADDR": PEER})
+    assert answer.status_code == 200
+    assert tokens.peek(PEER, 50).allowed and not tokens.peek(PEER, 51).allowed
+
+
+class Parked(ManualClock):
+    """A ManualClock whose async sleep lasts until the waiter is cancelled."""
+
+    async def sleep_async(self, seconds: float) -> None:
+        await asyncio.Event().wait()
+
+
+async def call(app: Any, path: str = "/hello") -> httpx.Response:
+    transport = httpx.ASGITransport(app=app, client=(PEER, 50000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return await client.get(path)
+
+
+def test_fastapi_max_wait_settle_and_cancellation_over_redis(redis_url: str) -> None:
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            clock = ManualClock()
+            limiter = AsyncRedisTokenBucketLimiter(client, 2, 1, clock, prefix=fresh())
+            app = FastAPI()
+            limit = bl_fastapi.Limit(limiter, max_wait=1.5)
+
+            @app.get("/hello", dependencies=[Depends(limit)])
+            async def hello() -> dict[str, str]:
+                return {"hello": "world"}
+
+            assert [(await call(app)).status_code for _ in range(2)] == [200, 200]
+            assert (await call(app)).status_code == 200
+            assert clock.now == 1.0, "awaited on the limiter's clock"
+            await limiter.reserve(PEER, 1)
+            refused = await call(app)
+            assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+            assert clock.now == 1.0
+
+            tokens = AsyncRedisTokenBucketLimiter(client, 100, 10, clock, prefix=fresh())
+            held_limit = bl_fastapi.Limit(tokens, cost=20, name="tokens")
+            overage = FastAPI()
+
+            @overage.get("/complete")
+            async def complete(
+                held: bl_fastapi.AsyncReservation = Depends(held_limit),  # noqa: B008
+            ) -> dict[str, int]:
+                await held.settle(50)
+                return {"used": 50}
+
+            assert (await call(overage, "/complete")).status_code == 200
+            assert (await tokens.peek(PEER, 50)).allowed
+            assert not (await tokens.peek(PEER, 51)).allowed
+
+            # A request cancelled while it waits gives its token back.
+            parked = AsyncRedisTokenBucketLimiter(client, 1, 1, Parked(), prefix=fresh())
+            waits = FastAPI()
+
+            @waits.get("/hello", dependencies=[Depends(bl_fastapi.Limit(parked, max_wait=30))])
+            async def hello_again() -> dict[str, str]:
+                return {"hello": "world"}
+
+            assert (await call(waits)).status_code == 200
+            waiting = asyncio.ensure_future(call(waits))
+            while (await parked.peek(PEER)).retry_after != 2.0:  # the waiter holds its token
+                await asyncio.sleep(0)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            assert (await parked.peek(PEER)).retry_after == 1.0
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
