@@ -22,10 +22,11 @@ counting), as steps that leave a call pending on a command, which
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 from bucketlimit._core import Decision
 from bucketlimit._redis.errors import (
@@ -280,13 +281,13 @@ class RedisReservation(ReservationState):
         """Gives every token back (capped at capacity, and at what the buckets may
         take back: docs/design.md §4). Once; nothing for a refusal."""
         for limiter, call in self._cancel_calls():
-            limiter._drive(call)
+            cast("RedisTokenBucketLimiter", limiter)._drive(call)
 
     def settle(self, used: SupportsIndex | Sequence[SupportsIndex]) -> None:
         """The actual use: gives back ``cost - used``, or charges ``used - cost`` more.
         One ``used`` for every bucket, or a sequence with one per bucket. Once."""
         for limiter, call in self._settle_calls(used):
-            limiter._drive(call)
+            cast("RedisTokenBucketLimiter", limiter)._drive(call)
 
 
 class AsyncRedisReservation(ReservationState):
@@ -298,12 +299,12 @@ class AsyncRedisReservation(ReservationState):
     async def cancel(self) -> None:
         """:meth:`RedisReservation.cancel`, awaited."""
         for limiter, call in self._cancel_calls():
-            await limiter._drive(call)
+            await cast("AsyncRedisTokenBucketLimiter", limiter)._drive(call)
 
     async def settle(self, used: SupportsIndex | Sequence[SupportsIndex]) -> None:
         """:meth:`RedisReservation.settle`, awaited."""
         for limiter, call in self._settle_calls(used):
-            await limiter._drive(call)
+            await cast("AsyncRedisTokenBucketLimiter", limiter)._drive(call)
 
 
 def _wait(reservation: RedisReservation) -> Decision:
@@ -333,10 +334,9 @@ async def _wait_async(reservation: AsyncRedisReservation) -> Decision:
             await (sleep if callable(sleep) else asyncio.sleep)(reservation.delay)
         except BaseException:
             refund = asyncio.ensure_future(_cancel_quietly(reservation))
-            try:
+            # Cancelled again while it is sent: the refund goes on without us.
+            with contextlib.suppress(BaseException):
                 await asyncio.shield(refund)
-            except BaseException:  # cancelled again: the refund goes on without us
-                pass
             raise
     return reservation.decision
 
@@ -348,9 +348,7 @@ async def _cancel_quietly(reservation: AsyncRedisReservation) -> None:
         logger.debug("a waiter's refund failed", exc_info=True)
 
 
-def allow_all(
-    checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1
-) -> Decision:
+def allow_all(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Decision:
     """``bucketlimit.allow_all`` for Redis limiters sharing one client: one script
     that checks every bucket before it spends from any. A check is ``(limiter, key)``
     (charged ``cost``) or ``(limiter, key, cost)``."""
@@ -361,9 +359,7 @@ def allow_all(
     return answer
 
 
-async def allow_all_async(
-    checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1
-) -> Decision:
+async def allow_all_async(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Decision:
     """:func:`allow_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
     limiter, call = allow_all_call(checks, cost)
     if not isinstance(limiter, AsyncRedisTokenBucketLimiter):

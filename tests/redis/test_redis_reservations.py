@@ -10,7 +10,7 @@ import logging
 import math
 import random
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -38,8 +38,7 @@ def fresh() -> str:
 
 
 def raw(client: redis.Redis, limiter: Any, key: str) -> bytes | None:
-    value: bytes | None = client.get(limiter._keys.bucket(key))
-    return value
+    return cast("bytes | None", client.get(limiter._keys.bucket(key)))
 
 
 @pytest.fixture
@@ -99,7 +98,8 @@ def test_a_refused_reservation_spends_nothing(redis_client: redis.Redis) -> None
     assert raw(redis_client, limiter, "k") == before
     clock.advance(0.6)
     granted = limiter.reserve("k", max_wait=0.4)
-    assert granted and granted.delay == 0.4
+    assert granted
+    assert granted.delay == 0.4
     # max_wait=0 answers as allow.
     other = RedisTokenBucketLimiter(redis_client, 1, 1, clock, prefix=fresh())
     local = TokenBucketLimiter(1, 1, clock)
@@ -124,7 +124,8 @@ def test_ten_thousand_one_token_reservations_queue_on_capacity_ten(
     assert delays == sorted(delays)
     assert delays[-1] == 10_000.0
     beyond = limiter.reserve("k")
-    assert not beyond and beyond.decision.retry_after == 1.0, "past the debt bound"
+    assert not beyond, "past the debt bound"
+    assert beyond.decision.retry_after == 1.0
     # A charge stops at the bound.
     deep = limiter.charge("j", 2**64 - 1)
     assert deep == Decision(False, 10_000.0, 0, 10_010.0, 10)
@@ -142,9 +143,11 @@ def test_cancel_and_settle_act_once(redis_client: redis.Redis) -> None:
     assert limiter.peek("k") == Decision(False, 4.0, 0, 13.0, 10)
     last = limiter.reserve("j", 6)
     last.settle(2)  # 4 back: 8 tokens
-    assert limiter.peek("j", 8).allowed and not limiter.peek("j", 9).allowed
+    assert limiter.peek("j", 8).allowed
+    assert not limiter.peek("j", 9).allowed
     limiter.reserve("j", 8).cancel()
-    assert limiter.peek("j", 8).allowed and not limiter.peek("j", 9).allowed
+    assert limiter.peek("j", 8).allowed
+    assert not limiter.peek("j", 9).allowed
 
 
 def test_the_last_waiter_gives_back_and_an_earlier_one_cannot(redis_client: redis.Redis) -> None:
@@ -169,25 +172,33 @@ def test_reserve_all_takes_per_bucket_costs_all_or_nothing(redis_client: redis.R
     tpm = RedisTokenBucketLimiter(redis_client, 100, 10, clock, prefix=fresh())
     assert bucketlimit.reserve_all([(rpm, "org", 1), (tpm, "org", 100)]).delay == 0.0
     both = bucketlimit.reserve_all([(rpm, "org", 1), (tpm, "org", 50)])
-    assert isinstance(both, RedisReservation) and both
+    assert isinstance(both, RedisReservation)
+    assert both
     assert both.delay == 5.0
     assert both.checks == ((rpm, "org", 1), (tpm, "org", 50))
     refused = bucketlimit.reserve_all([(rpm, "org", 1), (tpm, "org", 10)], max_wait=1)
-    assert not refused and refused.delay == 6.0 and refused.decision.retry_after == 5.0
-    assert not rpm.peek("org").allowed and tpm.peek("org").retry_after == 5.1
+    assert not refused
+    assert refused.delay == 6.0
+    assert refused.decision.retry_after == 5.0
+    assert not rpm.peek("org").allowed
+    assert tpm.peek("org").retry_after == 5.1
     both.cancel()  # the last waiter of tpm; rpm never waited: it gets its token back
-    assert rpm.peek("org").allowed and not rpm.peek("org", 2).allowed
+    assert rpm.peek("org").allowed
+    assert not rpm.peek("org", 2).allowed
     assert tpm.peek("org", 1).retry_after == 0.1
     assert bucketlimit.acquire_all([(rpm, "org", 1), (tpm, "org", 50)]).allowed
     assert clock.now == 5.0, "acquire_all waited on the clock for the longest delay"
     assert bucketlimit.allow_all([(rpm, "o2", 1), (tpm, "o2", 30)]).allowed
-    assert tpm.peek("o2", 70).allowed and not tpm.peek("o2", 71).allowed
+    assert tpm.peek("o2", 70).allowed
+    assert not tpm.peek("o2", 71).allowed
     with pytest.raises(ValueError, match="twice"):
         bucketlimit.reserve_all([(rpm, "x"), (rpm, "x")])
+    mixed: list[Any] = [(rpm, "x"), (TokenBucketLimiter(1, 1), "x")]
     with pytest.raises(TypeError, match="mix"):
-        bucketlimit.reserve_all([(rpm, "x"), (TokenBucketLimiter(1, 1), "x")])
+        bucketlimit.reserve_all(mixed)
+    four: list[Any] = [(rpm, "x", 1, 2)]
     with pytest.raises(TypeError, match="triples"):
-        bucketlimit.reserve_all([(rpm, "x", 1, 2)])
+        bucketlimit.reserve_all(four)
 
 
 # -- waiting ------------------------------------------------------------------------
@@ -201,7 +212,8 @@ def test_acquire_waits_on_the_limiters_clock(redis_client: redis.Redis) -> None:
     assert limiter.acquire("k", 1).allowed
     assert clock.now == 0.25, "slept exactly the delay the script computed"
     refused = limiter.acquire("k", 2, timeout=0.1)
-    assert not refused and refused.retry_after == 0.4
+    assert not refused
+    assert refused.retry_after == 0.4
     assert clock.now == 0.25, "a refusal returns at once"
 
 
@@ -225,14 +237,17 @@ def test_async_acquire_and_reservation(redis_url: str) -> None:
             clock = ManualClock()
             limiter = AsyncRedisTokenBucketLimiter(client, 2, 4, clock, prefix=fresh())
             r = await limiter.reserve("k", 2)
-            assert isinstance(r, AsyncRedisReservation) and r.delay == 0.0
+            assert isinstance(r, AsyncRedisReservation)
+            assert r.delay == 0.0
             await r.settle(1)
-            assert (await limiter.peek("k")).allowed and not (await limiter.peek("k", 2)).allowed
+            assert (await limiter.peek("k")).allowed
+            assert not (await limiter.peek("k", 2)).allowed
             assert (await limiter.acquire("k", 2)).allowed
             assert clock.now == 0.25
             assert (await limiter.charge("k", 4)) == Decision(False, 1.0, 0, 1.5, 2)
             both = await bucketlimit.reserve_all([(limiter, "a", 1), (limiter, "b", 2)])
-            assert both and both.delay == 0.0
+            assert both
+            assert both.delay == 0.0
             await both.cancel()
             assert (await limiter.peek("b", 2)).allowed
             decided = await bucketlimit.acquire_all_async([(limiter, "a", 2), (limiter, "b", 1)])
@@ -322,7 +337,7 @@ def test_a_refund_that_cannot_reach_the_store_is_counted_and_logged(
         try:
             assert (await limiter.allow("k")).allowed
             waiter = asyncio.ensure_future(limiter.acquire("k"))
-            while not limiter.stats()["allowed"] == 2:
+            while limiter.stats()["allowed"] != 2:
                 await asyncio.sleep(0)
             server.stop()
             waiter.cancel()
@@ -346,36 +361,53 @@ def test_bad_input_is_rejected_and_changes_nothing(redis_client: redis.Redis) ->
     local = TokenBucketLimiter(5, 1, clock)
     assert limiter.allow("k")
     before = raw(redis_client, limiter, "k")
-    for wait, error in [(-1, ValueError), (-0.5, ValueError), (math.nan, ValueError)]:
-        with pytest.raises(error, match="max_wait"):
+    for wait in [-1, -0.5, math.nan]:
+        with pytest.raises(ValueError, match="max_wait"):
             limiter.reserve("k", max_wait=wait)
-        with pytest.raises(error):
+        with pytest.raises(ValueError, match="max_wait"):
             local.reserve("k", max_wait=wait)
-        with pytest.raises(error, match="timeout"):
+        with pytest.raises(ValueError, match="timeout"):
             limiter.acquire("k", timeout=wait)
-    for wait in ["1", True, [1]]:
+    bad_waits: list[Any] = ["1", True, [1]]
+    for bad in bad_waits:
         with pytest.raises(TypeError, match="max_wait"):
-            limiter.reserve("k", max_wait=wait)  # type: ignore[arg-type]
+            limiter.reserve("k", max_wait=bad)
         with pytest.raises(TypeError):
-            local.reserve("k", max_wait=wait)  # type: ignore[arg-type]
-    for cost, error in [(0, ValueError), (6, ValueError), (1.0, TypeError), (True, TypeError)]:
+            local.reserve("k", max_wait=bad)
+    bad_costs: list[tuple[Any, type[ValueError | TypeError]]] = [
+        (0, ValueError),
+        (6, ValueError),
+        (1.0, TypeError),
+        (True, TypeError),
+    ]
+    for cost, error in bad_costs:
         with pytest.raises(error):
-            limiter.reserve("k", cost)  # type: ignore[arg-type]
+            limiter.reserve("k", cost)
         with pytest.raises(error):
-            local.reserve("k", cost)  # type: ignore[arg-type]
-    for cost, error in [(0, ValueError), (1.5, TypeError), (2**64, ValueError)]:
+            local.reserve("k", cost)
+    bad_charges: list[tuple[Any, type[ValueError | TypeError]]] = [
+        (0, ValueError),
+        (1.5, TypeError),
+        (2**64, ValueError),
+    ]
+    for cost, error in bad_charges:
         with pytest.raises(error):
-            limiter.charge("k", cost)  # type: ignore[arg-type]
+            limiter.charge("k", cost)
         with pytest.raises(error):
-            local.charge("k", cost)  # type: ignore[arg-type]
+            local.charge("k", cost)
     reservation = limiter.reserve("k", 2)
     mine = local.reserve("k", 2)
     after = raw(redis_client, limiter, "k")
-    for used, error in [(-1, ValueError), (1.5, TypeError), ([1, 2], ValueError)]:
+    bad_used: list[tuple[Any, type[ValueError | TypeError]]] = [
+        (-1, ValueError),
+        (1.5, TypeError),
+        ([1, 2], ValueError),
+    ]
+    for used, error in bad_used:
         with pytest.raises(error):
-            reservation.settle(used)  # type: ignore[arg-type]
+            reservation.settle(used)
         with pytest.raises(error):
-            mine.settle(used)  # type: ignore[arg-type]
+            mine.settle(used)
     assert raw(redis_client, limiter, "k") == after
     reservation.settle(1)  # still unsettled: the rejected calls did nothing
     assert before != after != raw(redis_client, limiter, "k")
@@ -411,21 +443,29 @@ def test_reservations_follow_the_failure_policy(dead: redis.Redis) -> None:
 
     local = make("local")  # a share of 5 tokens at 0.5 a second
     taken = local.reserve("k", 5)
-    assert taken and taken.decision.degraded and taken.delay == 0.0
+    assert taken
+    assert taken.decision.degraded
+    assert taken.delay == 0.0
     waits = local.reserve("k", 1)
-    assert waits and waits.decision.degraded and waits.delay == 2.0
+    assert waits
+    assert waits.decision.degraded
+    assert waits.delay == 2.0
     waits.cancel()  # given back to the local share
     # The share answers (its limit is the share, as for a degraded allow).
     assert local.reserve("k", 1, max_wait=1.9).decision == Decision(False, 0.1, 0, 10.0, 5, True)
     assert local.charge("k", 1).degraded
     opened = make("open").reserve("k", 10)
-    assert opened and opened.delay == 0.0 and opened.decision.degraded
+    assert opened
+    assert opened.delay == 0.0
+    assert opened.decision.degraded
     closed = make("closed").reserve("k")
-    assert not closed and closed.decision.degraded
+    assert not closed
+    assert closed.decision.degraded
     with pytest.raises(redis.ConnectionError):
         make("raise").reserve("k")
     stats = local.stats()
-    assert stats["allowed"] == 2 and stats["refused"] == 1
+    assert stats["allowed"] == 2
+    assert stats["refused"] == 1
     assert stats["fallback_decisions"] == 4
     with pytest.raises((StoreUnavailableError, redis.ConnectionError)):
         make("raise").acquire("k")
@@ -437,10 +477,12 @@ def test_a_refused_reservation_is_answered_from_the_refusal_cache(
     limiter = RedisTokenBucketLimiter(redis_client, 1, 0.01, prefix=fresh())  # 100 s a token
     assert limiter.allow("k")
     first = limiter.reserve("k", max_wait=1)
-    assert not first and first.delay > 99
+    assert not first
+    assert first.delay > 99
     calls = limiter.stats()["store_calls"]
     again = limiter.reserve("k", max_wait=1)
-    assert not again and 98 < again.delay <= first.delay
+    assert not again
+    assert 98 < again.delay <= first.delay
     assert again.decision.retry_after == pytest.approx(again.delay - 1)
     assert limiter.stats()["store_calls"] == calls, "answered without the store"
     assert limiter.stats()["refusal_cache_hits"] == 1

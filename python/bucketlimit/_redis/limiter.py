@@ -63,7 +63,6 @@ from bucketlimit._redis.keys import Keys, check_one_slot, key_slot
 from bucketlimit._redis.resilience import (
     CLOSED,
     LOCAL,
-    OPEN,
     RAISE,
     SKIP,
     STORE,
@@ -769,7 +768,7 @@ class RedisLimiter(Generic[C]):
             raise configuration_error(error) from error
         raise error
 
-    def _finish(self, call: Call, answer: Decision | Reserved | None) -> Any:
+    def _finish(self, call: Call, answer: Decision | Reserved | None) -> Decision | Reserved | None:
         """Counts a call that ended, once: the commands it sent and, for an allow or a
         reservation, its decision (an allow_all's counts for every (limiter, key) it
         named)."""
@@ -777,9 +776,9 @@ class RedisLimiter(Generic[C]):
         allowed = None
         if answer is not None:
             if mode is ALLOW:
-                allowed = answer.allowed
+                allowed = cast("Decision", answer).allowed
             elif mode is RESERVE:
-                allowed = answer.decision.allowed  # type: ignore[union-attr]
+                allowed = cast("Reserved", answer).decision.allowed
         self._counters.add(call.sent, allowed)
         if call.checks is not None and allowed is not None:
             for limiter, _, _ in call.checks[1:]:
@@ -802,7 +801,7 @@ class RedisLimiter(Generic[C]):
                 "the store is skipped" if error is None else f"{type(error).__name__}: {error}",
             )
 
-    def _failed(self, call: Call, error: BaseException) -> Decision | None:
+    def _failed(self, call: Call, error: BaseException) -> Decision | Reserved | None:
         """Answers a call whose command failed, or raises."""
         kind = classify(error)
         breaker = call.breaker
@@ -839,7 +838,7 @@ class RedisLimiter(Generic[C]):
         limiters = [self] if call.checks is None else [limiter for limiter, _, _ in call.checks]
         return any(limiter._policy == RAISE for limiter in limiters)
 
-    def _without_store(self, call: Call, error: BaseException | None) -> Decision | None:
+    def _without_store(self, call: Call, error: BaseException | None) -> Decision | Reserved | None:
         """The policy's answer; ``error`` is None when the breaker skipped the store."""
         if self._raises(call):
             if error is not None:
@@ -975,7 +974,7 @@ def parts_call(
     line and the reservation's cost)."""
     keys: list[bytes] = []
     args: list[Any] = [NONE, mode.value]
-    for (limiter, key, cost), more in zip(parts, extra):
+    for (limiter, key, cost), more in zip(parts, extra, strict=True):
         bucket = limiter._keys.bucket(key)
         if bucket in keys:
             # Two limiters with one prefix: the script would read the bucket twice
@@ -1045,7 +1044,6 @@ def _fallback_reserve(limiter: RedisLimiter[Any], call: Call) -> Reserved:
     max_wait = None if call.max_wait is None else call.max_wait / 1_000_000
     reservation = _core.reserve_all(local, max_wait=max_wait)
     return Reserved(reservation.decision, reservation.delay, lines, local=reservation)
-
 
 
 class ReservationState:
@@ -1126,12 +1124,17 @@ class ReservationState:
             return []
         if self._local is not None:
             self._local.settle(
-                [min(u, limiter._fallback.share) for (limiter, _, _), u in zip(self._parts, each)]
+                [
+                    min(u, limiter._fallback.share)
+                    for (limiter, _, _), u in zip(self._parts, each, strict=True)
+                ]
             )
             return []
         backs = [(i, self._parts[i][2] - u) for i, u in enumerate(each) if u < self._parts[i][2]]
         charges = [
-            (limiter, key, u - cost) for (limiter, key, cost), u in zip(self._parts, each) if u > cost
+            (limiter, key, u - cost)
+            for (limiter, key, cost), u in zip(self._parts, each, strict=True)
+            if u > cost
         ]
         calls = self._give_backs(backs)
         if len(charges) == 1:
