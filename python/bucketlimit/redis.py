@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 from bucketlimit._core import Decision
@@ -257,8 +257,10 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         """:meth:`RedisTokenBucketLimiter.acquire` for asyncio: awaits the delay (the
         clock's ``sleep_async`` when it has one, else ``asyncio.sleep``); a task
         cancelled while it waits gives its tokens back (one refund, shielded from a
-        second cancellation)."""
-        return await _wait_async(await self._reserve(key, cost, timeout, "timeout"))
+        second cancellation). Cancelled while the reservation itself is on its way,
+        it lets the reply land and then gives the tokens back."""
+        reservation = await _shielded(self._reserve(key, cost, timeout, "timeout"))
+        return await _wait_async(reservation)
 
     async def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """:meth:`RedisTokenBucketLimiter.charge`, awaited."""
@@ -341,6 +343,33 @@ async def _wait_async(reservation: AsyncRedisReservation) -> Decision:
     return reservation.decision
 
 
+# Refunds sent after their waiter was cancelled: held until they end (the event
+# loop keeps only weak references to tasks).
+_REFUNDS: set[asyncio.Future[None]] = set()
+
+
+async def _shielded(reserving: Coroutine[Any, Any, AsyncRedisReservation]) -> AsyncRedisReservation:
+    """Awaits a reservation's round trip shielded from cancellation: a waiter
+    cancelled while its script may already have run lets the reply land and then
+    gives the tokens back (one refund), instead of losing them with the reply."""
+    task = asyncio.ensure_future(reserving)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_give_back_when_done)
+        raise
+
+
+def _give_back_when_done(task: asyncio.Future[AsyncRedisReservation]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return  # nothing was reserved, or the failure was answered and counted
+    reservation = task.result()
+    if reservation:
+        refund = asyncio.ensure_future(_cancel_quietly(reservation))
+        _REFUNDS.add(refund)
+        refund.add_done_callback(_REFUNDS.discard)
+
+
 async def _cancel_quietly(reservation: AsyncRedisReservation) -> None:
     try:
         await reservation.cancel()
@@ -418,9 +447,10 @@ async def acquire_all_async(
     timeout: float | None = None,
 ) -> Decision:
     """:func:`acquire_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
-    return await _wait_async(
-        await reserve_all_async(checks, cost, max_wait=timeout, _name="timeout")
+    reservation = await _shielded(
+        reserve_all_async(checks, cost, max_wait=timeout, _name="timeout")
     )
+    return await _wait_async(reservation)
 
 
 def _kind(checks: list[Any], what: str) -> str | None:

@@ -6,6 +6,7 @@ cancellation. Real redis-server; time is a ManualClock wherever it can be."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import random
@@ -19,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import bucketlimit
+import bucketlimit.redis
 from bucketlimit import Decision, TokenBucketLimiter
 from bucketlimit.redis import (
     AsyncRedisReservation,
@@ -258,11 +260,18 @@ def test_async_acquire_and_reservation(redis_url: str) -> None:
     asyncio.run(main())
 
 
+waiter_index: contextvars.ContextVar[int] = contextvars.ContextVar("waiter_index")
+
+
 class Parked(ManualClock):
     """A ManualClock whose async sleep never ends by itself: a waiting task stays
-    waiting until it is cancelled (no real time passes)."""
+    waiting until it is cancelled (no real time passes). ``parked`` counts the
+    waiters that reached their sleep."""
+
+    parked = 0
 
     async def sleep_async(self, seconds: float) -> None:
+        self.parked += 1
         await asyncio.Event().wait()
 
 
@@ -287,16 +296,16 @@ def test_cancelled_waiters_give_their_tokens_back_as_the_model_says(redis_url: s
 
             async def reserve(key: str, cost: Any, wait: Any, name: str) -> Any:
                 reservation = await original(key, cost, wait, name)
-                seen.append((reservation.delay, index[asyncio.current_task()]))
+                seen.append((reservation.delay, waiter_index.get()))
                 return reservation
 
             limiter._reserve = reserve  # type: ignore[method-assign]
-            index: dict[Any, int] = {}
-            tasks = []
-            for i in range(200):
-                task = asyncio.ensure_future(limiter.acquire("k"))
-                index[task] = i
-                tasks.append(task)
+
+            async def waiter(i: int) -> Decision:
+                waiter_index.set(i)  # copied into the tasks acquire starts
+                return await limiter.acquire("k")
+
+            tasks = [asyncio.ensure_future(waiter(i)) for i in range(200)]
             while len(seen) < 200:
                 await asyncio.sleep(0)
             # The order the server ran them: FIFO makes the delays strictly increase.
@@ -321,6 +330,36 @@ def test_cancelled_waiters_give_their_tokens_back_as_the_model_says(redis_url: s
     asyncio.run(main())
 
 
+def test_a_waiter_cancelled_during_its_round_trip_gives_back_once_the_reply_lands(
+    redis_url: str,
+) -> None:
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        clock = Parked()
+        limiter = AsyncRedisTokenBucketLimiter(client, 1, 1, clock, prefix=fresh())
+        try:
+            assert (await limiter.allow("k")).allowed
+            waiter = asyncio.ensure_future(limiter.acquire("k"))
+            await asyncio.sleep(0)  # it has sent its reservation, not read the reply
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            for _ in range(10_000):  # the reply lands, then the refund is sent
+                if (await limiter.peek("k")).retry_after == 1.0:
+                    break
+                await asyncio.sleep(0)
+            assert (await limiter.peek("k")).retry_after == 1.0, "its token came back"
+            assert not bucketlimit.redis._REFUNDS
+            assert clock.parked == 0, "cancelled before it could wait"
+            stats = limiter.stats()
+            assert stats["allowed"] == 2, "the reservation was made"
+            assert stats["lost_refunds"] == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_refund_that_cannot_reach_the_store_is_counted_and_logged(
     redis_server_factory: ServerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -337,7 +376,7 @@ def test_a_refund_that_cannot_reach_the_store_is_counted_and_logged(
         try:
             assert (await limiter.allow("k")).allowed
             waiter = asyncio.ensure_future(limiter.acquire("k"))
-            while limiter.stats()["allowed"] != 2:
+            while clock.parked == 0:  # until it waits for its token
                 await asyncio.sleep(0)
             server.stop()
             waiter.cancel()
