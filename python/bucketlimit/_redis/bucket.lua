@@ -58,8 +58,8 @@
 -- per key}: delay_us the longest wait of its buckets (-1: never), and each
 -- line {l, cap, headroom before} where the reservation waits in that bucket
 -- (the bucket's L and balance right after it, when its H is 0, and its H
--- before it), {} where it does not; a give-back of the reservation sends its
--- line back, with the reservation's cost.
+-- before it), nil where it does not (no line at all when it waits in none);
+-- a give-back of the reservation sends its line back, with its cost.
 -- Several keys are combined like reserve_all in src/registry.rs: retry_after
 -- the longest among refusals, the rest from the bucket with the fewest
 -- remaining tokens (first on a tie).
@@ -92,10 +92,7 @@ local all_allowed = true
 -- bucket's remaining tokens, time to full and capacity; for a reservation the
 -- longest delay and the lines.
 local longest, fewest, reset, limit = 0, nil, nil, nil
-local delay, lines = 0, nil
-if mode == 'v' then
-  lines = {}
-end
+local delay, lines = 0, nil -- lines: made when a reservation waits
 
 for pass = 1, passes do
   for i = 1, n do
@@ -247,6 +244,12 @@ for pass = 1, passes do
           -- by those before it can be used alongside or before it.
           local before = h or full - b
           b, h = b - need, 0
+          if lines == nil then
+            lines = {}
+            for j = 1, n do
+              lines[j] = false
+            end
+          end
           lines[i] = {l, b, before}
         else
           b = b - need
@@ -259,9 +262,6 @@ for pass = 1, passes do
           end
         end
         write = mode ~= 'p'
-      end
-      if lines and lines[i] == nil then
-        lines[i] = {}
       end
       -- Microseconds until full; -1: never (rate 0).
       local until_full = 0
@@ -294,10 +294,12 @@ for pass = 1, passes do
   end
 end
 
-if lines then
+if mode == 'v' then
   local reply = {longest, fewest, reset, limit, delay}
-  for i = 1, n do
-    reply[5 + i] = lines[i]
+  if lines then
+    for i = 1, n do
+      reply[5 + i] = lines[i]
+    end
   end
   return reply
 end

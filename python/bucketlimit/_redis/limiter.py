@@ -707,7 +707,10 @@ class RedisLimiter(Generic[C]):
         if mode is RESERVE:
             # {retry_after, remaining, reset_after, limit, delay, line per key}
             delay = reply[4] / 1_000_000 if reply[4] >= 0 else math.inf
-            lines: list[Line | None] = [(x[0], x[1], x[2]) if x else None for x in reply[5:]]
+            lines: list[Line | None] = [None] * len(call.keys)
+            for i, line in enumerate(reply[5:]):
+                if line:  # the bucket it waits in (nil, read as None, where it does not)
+                    lines[i] = (line[0], line[1], line[2])
             refusals = self._refusals
             if refusals is not None and call.checks is None:
                 if not answer.allowed:
