@@ -77,9 +77,13 @@ def test_flask_max_wait_and_settle_over_redis(redis_client: redis.Redis) -> None
 
 
 class Parked(ManualClock):
-    """A ManualClock whose async sleep lasts until the waiter is cancelled."""
+    """A ManualClock whose async sleep lasts until the waiter is cancelled;
+    ``parked`` counts the waiters that reached it."""
+
+    parked = 0
 
     async def sleep_async(self, seconds: float) -> None:
+        self.parked += 1
         await asyncio.Event().wait()
 
 
@@ -127,7 +131,8 @@ def test_fastapi_max_wait_settle_and_cancellation_over_redis(redis_url: str) -> 
             assert not (await tokens.peek(PEER, 51)).allowed
 
             # A request cancelled while it waits gives its token back.
-            parked = AsyncRedisTokenBucketLimiter(client, 1, 1, Parked(), prefix=fresh())
+            parking = Parked()
+            parked = AsyncRedisTokenBucketLimiter(client, 1, 1, parking, prefix=fresh())
             waits = FastAPI()
 
             @waits.get("/hello", dependencies=[Depends(bl_fastapi.Limit(parked, max_wait=30))])
@@ -136,8 +141,9 @@ def test_fastapi_max_wait_settle_and_cancellation_over_redis(redis_url: str) -> 
 
             assert (await call(waits)).status_code == 200
             waiting = asyncio.ensure_future(call(waits))
-            while (await parked.peek(PEER)).retry_after != 2.0:  # the waiter holds its token
+            while parking.parked == 0:  # until the request waits for its token
                 await asyncio.sleep(0)
+            assert (await parked.peek(PEER)).retry_after == 2.0  # the waiter holds its token
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
