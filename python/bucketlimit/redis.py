@@ -170,9 +170,28 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         """``reserve``, then sleeps this thread for its delay (the limiter's clock's
         ``sleep`` when it has one, else ``time.sleep``); refused at once beyond
         ``timeout``. An exception while sleeping gives the tokens back (one refund)
-        before it propagates. There is no ``acquire_async`` here: its reservation
-        and its refund would block the event loop (use the asyncio class)."""
+        before it propagates."""
         return _wait(self._reserve(key, cost, timeout, "timeout"))
+
+    async def acquire_async(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> Decision:
+        """``acquire`` for asyncio code holding this sync limiter (an async view or
+        middleware given it): the reservation is one blocking round trip, as
+        ``allow`` is from async code, then the delay is awaited (the clock's
+        ``sleep_async`` when it has one, else ``asyncio.sleep``). No cancellation
+        point lies between taking the tokens and holding them; a task cancelled
+        while it waits gives them back (one refund, a blocking round trip too).
+        An asyncio service should use :class:`AsyncRedisTokenBucketLimiter`."""
+        reservation = self._reserve(key, cost, timeout, "timeout")
+        if reservation and reservation.delay > 0:
+            sleep = getattr(self._clock, "sleep_async", None)
+            try:
+                await (sleep if callable(sleep) else asyncio.sleep)(reservation.delay)
+            except BaseException:
+                _cancel_or_log(reservation)
+                raise
+        return reservation.decision
 
     def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """Records use that already happened: any cost >= 1, debt allowed."""
@@ -318,12 +337,18 @@ def _wait(reservation: RedisReservation) -> Decision:
         try:
             (sleep if callable(sleep) else time.sleep)(reservation.delay)
         except BaseException:
-            try:
-                reservation.cancel()
-            except Exception:  # counted and logged as a lost refund; the error goes on
-                logger.debug("a waiter's refund failed", exc_info=True)
+            _cancel_or_log(reservation)
             raise
     return reservation.decision
+
+
+def _cancel_or_log(reservation: RedisReservation) -> None:
+    """A waiter's one refund; its failure is counted and logged as a lost refund,
+    and the waiter's own error goes on."""
+    try:
+        reservation.cancel()
+    except Exception:
+        logger.debug("a waiter's refund failed", exc_info=True)
 
 
 async def _wait_async(reservation: AsyncRedisReservation) -> Decision:

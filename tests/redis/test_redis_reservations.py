@@ -330,6 +330,34 @@ def test_cancelled_waiters_give_their_tokens_back_as_the_model_says(redis_url: s
     asyncio.run(main())
 
 
+def test_the_sync_limiter_waits_in_asyncio_code_too(redis_client: redis.Redis) -> None:
+    """acquire_async on the sync class: a blocking reservation, an awaited delay, and
+    a cancelled waiter gives back."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        limiter = RedisTokenBucketLimiter(redis_client, 1, 4, clock, prefix=fresh())
+        assert (await limiter.acquire_async("k")).allowed
+        assert (await limiter.acquire_async("k")).allowed
+        assert clock.now == 0.25, "awaited on the clock's sleep_async"
+        refused = await limiter.acquire_async("k", timeout=0.1)
+        assert not refused
+        assert refused.retry_after == 0.15
+        parked = Parked()
+        waits = RedisTokenBucketLimiter(redis_client, 1, 1, parked, prefix=fresh())
+        assert waits.allow("k")
+        waiter = asyncio.ensure_future(waits.acquire_async("k"))
+        while parked.parked == 0:
+            await asyncio.sleep(0)
+        assert waits.peek("k").retry_after == 2.0
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert waits.peek("k").retry_after == 1.0
+
+    asyncio.run(main())
+
+
 def test_a_waiter_cancelled_during_its_round_trip_gives_back_once_the_reply_lands(
     redis_url: str,
 ) -> None:

@@ -152,3 +152,21 @@ def test_fastapi_max_wait_settle_and_cancellation_over_redis(redis_url: str) -> 
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_fastapi_max_wait_with_the_sync_redis_limiter(redis_client: redis.Redis) -> None:
+    """An async app given the sync Redis limiter awaits the wait (acquire_async)."""
+
+    async def main() -> None:
+        clock = ManualClock()
+        limiter = RedisTokenBucketLimiter(redis_client, 1, 1, clock, prefix=fresh())
+        app = FastAPI()
+
+        @app.get("/hello", dependencies=[Depends(bl_fastapi.Limit(limiter, max_wait=2))])
+        async def hello() -> dict[str, str]:
+            return {"hello": "world"}
+
+        assert [(await call(app)).status_code for _ in range(3)] == [200, 200, 200]
+        assert clock.now == 2.0
+
+    asyncio.run(main())
