@@ -261,13 +261,12 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         self, key: str, cost: SupportsIndex = 1, *, max_wait: float | None = None
     ) -> AsyncRedisReservation:
         """:meth:`RedisTokenBucketLimiter.reserve`, awaited; its ``cancel`` and
-        ``settle`` are coroutines."""
-        return await self._reserve(key, cost, max_wait, "max_wait")
+        ``settle`` are coroutines. Cancelled while its script is on its way, it
+        lets the reply land and then gives the tokens back (one refund)."""
+        call = self._reserve_call(key, cost, max_wait)
+        return await _shielded(self._reserved(key, call))
 
-    async def _reserve(
-        self, key: str, cost: object, wait: object, name: str
-    ) -> AsyncRedisReservation:
-        call = self._reserve_call(key, cost, wait, name)
+    async def _reserved(self, key: str, call: Call) -> AsyncRedisReservation:
         return AsyncRedisReservation([(self, key, call.cost)], await self._drive(call))
 
     async def acquire(
@@ -278,8 +277,8 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         cancelled while it waits gives its tokens back (one refund, shielded from a
         second cancellation). Cancelled while the reservation itself is on its way,
         it lets the reply land and then gives the tokens back."""
-        reservation = await _shielded(self._reserve(key, cost, timeout, "timeout"))
-        return await _wait_async(reservation)
+        call = self._reserve_call(key, cost, timeout, "timeout")
+        return await _wait_async(await _shielded(self._reserved(key, call)))
 
     async def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """:meth:`RedisTokenBucketLimiter.charge`, awaited."""
@@ -444,14 +443,12 @@ async def reserve_all_async(
     cost: SupportsIndex = 1,
     *,
     max_wait: float | None = None,
-    _name: str = "max_wait",
 ) -> AsyncRedisReservation:
-    """:func:`reserve_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
-    limiter, call = all_call(checks, cost, RESERVE, max_wait, what="reserve_all", name=_name)
-    if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
-        raise TypeError("reserve_all_async takes AsyncRedisTokenBucketLimiter instances")
-    assert call.checks is not None
-    return AsyncRedisReservation(call.checks, await limiter._drive(call))
+    """:func:`reserve_all` for :class:`AsyncRedisTokenBucketLimiter` instances;
+    cancelled while its script is on its way, it gives the tokens back once the
+    reply lands."""
+    limiter, call = _all_async_call(checks, cost, max_wait, "max_wait")
+    return await _shielded(_reserved_all(limiter, call))
 
 
 def acquire_all(
@@ -472,10 +469,22 @@ async def acquire_all_async(
     timeout: float | None = None,
 ) -> Decision:
     """:func:`acquire_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
-    reservation = await _shielded(
-        reserve_all_async(checks, cost, max_wait=timeout, _name="timeout")
-    )
-    return await _wait_async(reservation)
+    limiter, call = _all_async_call(checks, cost, timeout, "timeout")
+    return await _wait_async(await _shielded(_reserved_all(limiter, call)))
+
+
+def _all_async_call(
+    checks: Iterable[tuple[Any, ...]], cost: object, wait: object, name: str
+) -> tuple[AsyncRedisTokenBucketLimiter, Call]:
+    limiter, call = all_call(checks, cost, RESERVE, wait, what="reserve_all", name=name)
+    if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
+        raise TypeError("reserve_all_async takes AsyncRedisTokenBucketLimiter instances")
+    return limiter, call
+
+
+async def _reserved_all(limiter: AsyncRedisTokenBucketLimiter, call: Call) -> AsyncRedisReservation:
+    assert call.checks is not None
+    return AsyncRedisReservation(call.checks, await limiter._drive(call))
 
 
 def _kind(checks: list[Any], what: str) -> str | None:

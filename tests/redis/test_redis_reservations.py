@@ -292,14 +292,14 @@ def test_cancelled_waiters_give_their_tokens_back_as_the_model_says(redis_url: s
             model.reserve("k", 10)
             # Each waiter's delay, seen where acquire takes its reservation.
             seen: list[tuple[float, int]] = []
-            original = limiter._reserve
+            original = limiter._reserved
 
-            async def reserve(key: str, cost: Any, wait: Any, name: str) -> Any:
-                reservation = await original(key, cost, wait, name)
+            async def reserved(key: str, call: Any) -> Any:
+                reservation = await original(key, call)
                 seen.append((reservation.delay, waiter_index.get()))
                 return reservation
 
-            limiter._reserve = reserve  # type: ignore[method-assign]
+            limiter._reserved = reserved  # type: ignore[method-assign]
 
             async def waiter(i: int) -> Decision:
                 waiter_index.set(i)  # copied into the tasks acquire starts
@@ -358,16 +358,26 @@ def test_the_sync_limiter_waits_in_asyncio_code_too(redis_client: redis.Redis) -
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("how", ["acquire", "reserve", "acquire_all_async", "reserve_all"])
 def test_a_waiter_cancelled_during_its_round_trip_gives_back_once_the_reply_lands(
-    redis_url: str,
+    redis_url: str, how: str
 ) -> None:
     async def main() -> None:
         client = redis.asyncio.Redis.from_url(redis_url)
         clock = Parked()
         limiter = AsyncRedisTokenBucketLimiter(client, 1, 1, clock, prefix=fresh())
+        other = AsyncRedisTokenBucketLimiter(client, 5, 1, clock, prefix=fresh())
+        starts: dict[str, Any] = {
+            "acquire": lambda: limiter.acquire("k"),
+            "reserve": lambda: limiter.reserve("k"),
+            "acquire_all_async": lambda: bucketlimit.acquire_all_async(
+                [(limiter, "k", 1), (other, "k", 5)]
+            ),
+            "reserve_all": lambda: bucketlimit.reserve_all([(limiter, "k", 1), (other, "k", 5)]),
+        }
         try:
             assert (await limiter.allow("k")).allowed
-            waiter = asyncio.ensure_future(limiter.acquire("k"))
+            waiter = asyncio.ensure_future(starts[how]())
             await asyncio.sleep(0)  # it has sent its reservation, not read the reply
             waiter.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -377,6 +387,7 @@ def test_a_waiter_cancelled_during_its_round_trip_gives_back_once_the_reply_land
                     break
                 await asyncio.sleep(0)
             assert (await limiter.peek("k")).retry_after == 1.0, "its token came back"
+            assert (await other.peek("k", 5)).allowed, "and the other bucket's"
             assert not bucketlimit.redis._REFUNDS
             assert clock.parked == 0, "cancelled before it could wait"
             stats = limiter.stats()
