@@ -638,6 +638,11 @@ class RedisLimiter(Generic[C]):
                         return self._finish(call, answer)
             elif mode is not CHARGE:
                 refusals.drop(call.keys[0])  # this process gives tokens back
+        elif mode is REFUND and call.checks is not None:
+            # A reservation over several buckets gives back to each of them.
+            for (limiter, _, _), bucket in zip(call.checks, call.keys, strict=True):
+                if limiter._refusals is not None:
+                    limiter._refusals.drop(bucket)
         breaker = self._breaker_for(call.keys[0]) if self._cluster else self._breaker
         call.breaker = breaker
         if breaker.open:  # else admit() would say STORE
