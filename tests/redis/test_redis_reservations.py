@@ -493,6 +493,12 @@ def test_bad_input_is_rejected_and_changes_nothing(redis_client: redis.Redis) ->
     assert limiter.reserve("k", 5, max_wait=math.inf).delay == 2.0
 
 
+def test_the_script_knows_the_cores_debt_bound() -> None:
+    source = RedisTokenBucketLimiter._script.source
+    line = f"local MAX_DEBT_CAPACITIES = {bucketlimit.MAX_DEBT_CAPACITIES}\n"
+    assert line in source, "bucket.lua and src/bucket.rs must agree on the debt bound"
+
+
 def test_the_exact_range_includes_the_debt_bound(redis_client: redis.Redis) -> None:
     reach = 1 + bucketlimit.MAX_DEBT_CAPACITIES
     largest = (2**53 - 2) // (reach * 1_000_000)

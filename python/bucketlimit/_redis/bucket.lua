@@ -58,7 +58,8 @@
 -- per key}: delay_us the longest wait of its buckets (-1: never), and each
 -- line {l, cap, headroom before} where the reservation waits in that bucket
 -- (the bucket's L and balance right after it, when its H is 0, and its H
--- before it), nil where it does not (no line at all when it waits in none);
+-- before it), false (nil in the reply) where it does not, and no line at all
+-- when it waits in none;
 -- a give-back of the reservation sends its line back, with its cost.
 -- Several keys are combined like reserve_all in src/registry.rs: retry_after
 -- the longest among refusals, the rest from the bucket with the fewest
