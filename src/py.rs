@@ -372,7 +372,7 @@ impl TokenBucketLimiter {
         }
     }
 
-    fn config(&self) -> &Config {
+    pub(crate) fn config(&self) -> &Config {
         self.registry.config()
     }
 
@@ -513,16 +513,32 @@ impl TokenBucketLimiter {
         cost: Cost,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<py_reserve::Acquiring> {
-        let max_wait = py_reserve::max_wait(timeout, "timeout")?;
-        // The key and cost are checked now; the tokens are taken when awaited.
-        crate::error::check_key(key_str(key)?)?;
-        slf.get().config().check_cost(cost.0)?;
-        Ok(py_reserve::Acquiring::new(py_reserve::Request::One {
-            limiter: slf.clone().unbind(),
-            key: key.clone().unbind(),
-            cost: cost.0,
-            max_wait,
-        }))
+        py_reserve::acquiring(slf, key, cost.0, timeout, false)
+    }
+
+    /// `acquire`, answering with the reservation (granted or refused), for
+    /// callers that settle it later: the web adapters' `max_wait`.
+    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None))]
+    fn _acquire_reservation(
+        slf: &Bound<'_, Self>,
+        key: &Bound<'_, PyString>,
+        cost: Cost,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<py_reserve::Reservation>> {
+        let timeout = py_reserve::max_wait(timeout, "timeout")?;
+        let reservation = py_reserve::reserve_one(slf.py(), slf, key, cost.0, timeout)?;
+        py_reserve::wait_held(slf.py(), reservation)
+    }
+
+    /// `acquire_async`, answering with the reservation (see `_acquire_reservation`).
+    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None))]
+    fn _acquire_reservation_async(
+        slf: &Bound<'_, Self>,
+        key: &Bound<'_, PyString>,
+        cost: Cost,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<py_reserve::Acquiring> {
+        py_reserve::acquiring(slf, key, cost.0, timeout, true)
     }
 
     /// Records use that already happened: any cost >= 1 (above capacity

@@ -366,6 +366,17 @@ fn sleeper<'py>(
 /// Blocks until a granted reservation's tokens are there (the sleep releases
 /// the GIL); an exception while waiting cancels it before it propagates.
 pub fn wait(py: Python<'_>, reservation: &Reservation) -> PyResult<Py<Decision>> {
+    sleep_for(py, reservation)?;
+    Ok(reservation.decision.clone_ref(py))
+}
+
+/// [`wait`], answering with the reservation itself (to settle it later).
+pub fn wait_held(py: Python<'_>, reservation: Reservation) -> PyResult<Py<Reservation>> {
+    sleep_for(py, &reservation)?;
+    Py::new(py, reservation)
+}
+
+fn sleep_for(py: Python<'_>, reservation: &Reservation) -> PyResult<()> {
     if reservation.granted(py) && reservation.delay != Some(0) {
         let limiter = reservation.parts[0].limiter.get();
         let slept = sleeper(py, limiter, false)
@@ -375,7 +386,30 @@ pub fn wait(py: Python<'_>, reservation: &Reservation) -> PyResult<Py<Decision>>
             return Err(error);
         }
     }
-    Ok(reservation.decision.clone_ref(py))
+    Ok(())
+}
+
+/// `limiter.acquire_async(key, cost, timeout=...)`: the key and cost are
+/// checked now, the tokens taken when awaited. `held`: it answers with the
+/// reservation rather than its decision.
+pub fn acquiring(
+    limiter: &Bound<'_, TokenBucketLimiter>,
+    key: &Bound<'_, PyString>,
+    cost: i128,
+    timeout: Option<&Bound<'_, PyAny>>,
+    held: bool,
+) -> PyResult<Acquiring> {
+    let max_wait = max_wait(timeout, "timeout")?;
+    crate::error::check_key(key_str(key)?)?;
+    limiter.get().config().check_cost(cost)?;
+    let mut acquiring = Acquiring::new(Request::One {
+        limiter: limiter.clone().unbind(),
+        key: key.clone().unbind(),
+        cost,
+        max_wait,
+    });
+    acquiring.held = held;
+    Ok(acquiring)
 }
 
 /// What an `Acquiring` reserves at its first step.
@@ -431,12 +465,24 @@ enum State {
 #[pyclass(module = "bucketlimit._core")]
 pub struct Acquiring {
     state: State,
+    /// Answer with the reservation rather than its decision.
+    held: bool,
 }
 
 impl Acquiring {
     pub fn new(request: Request) -> Acquiring {
         Acquiring {
             state: State::Start(request),
+            held: false,
+        }
+    }
+
+    /// The coroutine's result: the decision, or the reservation when held.
+    fn answer(&self, py: Python<'_>, reservation: Py<Reservation>) -> PyErr {
+        if self.held {
+            PyStopIteration::new_err((reservation,))
+        } else {
+            PyStopIteration::new_err((reservation.get().decision.clone_ref(py),))
         }
     }
 
@@ -459,9 +505,7 @@ impl Acquiring {
                 }
                 let reservation = request.reserve(py)?;
                 if !reservation.granted(py) || reservation.delay == Some(0) {
-                    return Err(PyStopIteration::new_err((reservation
-                        .decision
-                        .clone_ref(py),)));
+                    return Err(self.answer(py, Py::new(py, reservation)?));
                 }
                 let limiter = reservation.parts[0].limiter.get();
                 let started = sleeper(py, limiter, true)
@@ -489,10 +533,7 @@ impl Acquiring {
                 Ok(yielded.unbind())
             }
             Err(error) if error.is_instance_of::<PyStopIteration>(py) => {
-                Err(PyStopIteration::new_err((reservation
-                    .get()
-                    .decision
-                    .clone_ref(py),)))
+                Err(self.answer(py, reservation))
             }
             Err(error) => {
                 reservation.get().cancel(py)?;

@@ -705,3 +705,23 @@ async def test_a_cancelled_waiting_request_gives_its_tokens_back(
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert frozen.peek(PEER).retry_after == 1.0
+
+
+async def test_a_request_that_waited_gives_back_what_it_did_not_use(
+    manual_clock: ManualClock,
+) -> None:
+    """The awaited twin of the Flask test: settled through its reservation, the
+    unused part of a wait comes back exactly (docs/design.md §4, "Giving back")."""
+    limiter = TokenBucketLimiter(100, 10, clock=manual_clock)
+    tokens_limit = Limit(limiter, cost=60, name="tokens", max_wait=5)
+    app = FastAPI()
+
+    @app.get("/complete")
+    async def complete(held: Annotated[AsyncReservation, Depends(tokens_limit)]) -> int:
+        return await held.settle(20)
+
+    limiter.charge(PEER, 50)  # 50 left: the request waits 1 s for 60
+    assert (await call(app, path="/complete")).json() == 40
+    assert manual_clock.now == 1.0  # awaited on the limiter's clock
+    assert limiter.peek(PEER, 40)
+    assert not limiter.peek(PEER, 41)

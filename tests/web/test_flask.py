@@ -509,3 +509,26 @@ def test_settle_in_the_view_charges_the_overage(manual_clock: ManualClock) -> No
 
     assert get(app, "/complete").status_code == 200
     assert tokens(limiter, PEER) == 50
+
+
+def test_a_request_that_waited_gives_back_what_it_did_not_use(manual_clock: ManualClock) -> None:
+    """Settled through its reservation, a request that waited for its tokens gives
+    back the unused part exactly when nobody queued behind it (docs/design.md §4,
+    "Giving back"): as if it had reserved only what it used."""
+    limiter = TokenBucketLimiter(100, 10, clock=manual_clock)
+    app = Flask(__name__)
+
+    @app.get("/complete")
+    @Limit(limiter, cost=60, name="tokens", max_wait=5)
+    def complete() -> dict[str, int]:
+        return {"refunded": reservation("tokens").settle(20)}
+
+    assert get(app, "/complete").get_json() == {"refunded": 40}  # no wait: 60 taken, 40 back
+    limiter.charge(PEER, 30)  # 100 - 20 - 30 = 50 left
+    waited = get(app, "/complete")
+    assert waited.get_json() == {"refunded": 40}
+    assert manual_clock.now == 1.0  # 10 tokens short, at 10 a second
+    # It used 20 of the 60 it waited for: the 40 are there again (a refund
+    # without its place in the queue would have given back nothing).
+    assert limiter.peek(PEER, 40)
+    assert not limiter.peek(PEER, 41)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, ca
 
 from bucketlimit import _errors
 from bucketlimit._core import Decision
+from bucketlimit._core import Reservation as CoreReservation
 from bucketlimit._web.fields import (
     Applied,
     Refusal,
@@ -323,15 +324,22 @@ class LimitSettings(Generic[R]):
         key = self.checked_key((yield self.key, (request,)), where)
         cost = (yield self.cost, (request,)) if callable(self.cost) else self.cost
         limiter, name = cast(AnyLimiter, self._limiter), self.name
+        core: CoreReservation | None = None
         if self._plan:  # a plan function: this request's limiter
             limiter, name = self.chosen((yield cast(Step, (self._limiter, (request,)))))
         if self.can_never_pass(cost, limiter):
             decision = self.never((yield limiter.peek, (key, limiter.capacity)))
         elif self.max_wait:  # wait for the tokens, or be refused at once (nothing spent)
-            decision = yield self.waiting(limiter), (key, cost)
+            waited = yield self.waiting(limiter), (key, cost)
+            if isinstance(waited, CoreReservation):
+                core, decision = waited, waited.decision
+            else:
+                decision = waited
         else:
             decision = yield limiter.allow, (key, cost)
         held = hold(limiter, key, cost if decision.allowed else 0, decision)
+        if core is not None and decision.allowed:
+            held._settle_through(core)
         limits.add(self, self.applied(decision, limiter, name, key, cost), held)
         if not self.refuses(decision, key, cost, where):
             return held, False
@@ -341,12 +349,16 @@ class LimitSettings(Generic[R]):
 
     def waiting(self, limiter: AnyLimiter) -> Waiting:
         """The step that waits up to ``max_wait`` for the tokens: ``acquire`` for a
-        synchronous driver, ``acquire_async`` (when the limiter has it) for an async one."""
+        synchronous driver, ``acquire_async`` (when the limiter has it) for an async one.
+        The in-process limiter answers with its reservation, for the settle."""
         waits: Any = limiter
         timeout = self.max_wait
-        acquire_async = getattr(waits, "acquire_async", waits.acquire)
+        acquire = getattr(waits, "_acquire_reservation", waits.acquire)
+        acquire_async = getattr(
+            waits, "_acquire_reservation_async", getattr(waits, "acquire_async", acquire)
+        )
         return Waiting(
-            lambda key, cost: waits.acquire(key, cost, timeout=timeout),
+            lambda key, cost: acquire(key, cost, timeout=timeout),
             lambda key, cost: acquire_async(key, cost, timeout=timeout),
         )
 

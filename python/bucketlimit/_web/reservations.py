@@ -7,6 +7,7 @@ import threading
 from typing import Any, Generic, TypeVar
 
 from bucketlimit._core import Decision
+from bucketlimit._core import Reservation as CoreReservation
 from bucketlimit._web.limiters import AnyLimiter, SyncLimiter
 
 
@@ -27,7 +28,7 @@ _SETTLE_LOCK = threading.Lock()
 
 
 class _ReservationBase(Generic[L]):
-    __slots__ = ("_limiter", "_settled", "charged", "decision", "key")
+    __slots__ = ("_core", "_limiter", "_settled", "charged", "decision", "key")
 
     def __init__(self, limiter: L | None, key: str, charged: int, decision: Decision | None):
         self._limiter = limiter
@@ -37,6 +38,13 @@ class _ReservationBase(Generic[L]):
         #: The limiter's answer; ``None`` when the request was exempt.
         self.decision = decision
         self._settled = False
+        # The in-process limiter's reservation when the request waited for its
+        # tokens: settled through it, a give-back keeps its place in the queue
+        # (docs/design.md §4, "Giving back"); else refund / charge on the limiter.
+        self._core: CoreReservation | None = None
+
+    def _settle_through(self, core: CoreReservation) -> None:
+        self._core = core
 
     @property
     def allowed(self) -> bool:
@@ -84,7 +92,9 @@ class Reservation(_ReservationBase[SyncLimiter]):
         many were refunded (0 when charged more)."""
         difference = self._take_difference(used)
         limiter: Any = self._limiter
-        if difference > 0:
+        if difference and self._core is not None:
+            self._core.settle(used)
+        elif difference > 0:
             limiter.refund(self.key, difference)
         elif difference < 0 and callable(getattr(limiter, "charge", None)):
             limiter.charge(self.key, -difference)
@@ -110,7 +120,9 @@ class AsyncReservation(_ReservationBase[AnyLimiter]):
         difference = self._take_difference(used)
         limiter: Any = self._limiter
         result: Any = None
-        if difference > 0:
+        if difference and self._core is not None:
+            self._core.settle(used)
+        elif difference > 0:
             result = limiter.refund(self.key, difference)
         elif difference < 0 and callable(getattr(limiter, "charge", None)):
             result = limiter.charge(self.key, -difference)
