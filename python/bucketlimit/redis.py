@@ -171,7 +171,14 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         ``sleep`` when it has one, else ``time.sleep``); refused at once beyond
         ``timeout``. An exception while sleeping gives the tokens back (one refund)
         before it propagates."""
-        return _wait(self._reserve(key, cost, timeout, "timeout"))
+        return _waited(self._reserve(key, cost, timeout, "timeout")).decision
+
+    def _acquire_reservation(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> RedisReservation:
+        """``acquire``, answering with the reservation (granted or refused), for
+        callers that settle it later: the web adapters' ``max_wait``."""
+        return _waited(self._reserve(key, cost, timeout, "timeout"))
 
     async def acquire_async(
         self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
@@ -183,6 +190,13 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         point lies between taking the tokens and holding them; a task cancelled
         while it waits gives them back (one refund, a blocking round trip too).
         An asyncio service should use :class:`AsyncRedisTokenBucketLimiter`."""
+        return (await self._acquire_reservation_async(key, cost, timeout=timeout)).decision
+
+    async def _acquire_reservation_async(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> RedisReservation:
+        """``acquire_async``, answering with the reservation (see
+        ``_acquire_reservation``)."""
         reservation = self._reserve(key, cost, timeout, "timeout")
         if reservation and reservation.delay > 0:
             sleep = getattr(self._clock, "sleep_async", None)
@@ -191,7 +205,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
             except BaseException:
                 _cancel_or_log(reservation)
                 raise
-        return reservation.decision
+        return reservation
 
     def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """Records use that already happened: any cost >= 1, debt allowed."""
@@ -278,7 +292,15 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         second cancellation). Cancelled while the reservation itself is on its way,
         it lets the reply land and then gives the tokens back."""
         call = self._reserve_call(key, cost, timeout, "timeout")
-        return await _wait_async(await _shielded(self._reserved(key, call)))
+        return (await _waited_async(await _shielded(self._reserved(key, call)))).decision
+
+    async def _acquire_reservation_async(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> AsyncRedisReservation:
+        """``acquire``, answering with the reservation (granted or refused), for
+        callers that settle it later: the web adapters' ``max_wait``."""
+        call = self._reserve_call(key, cost, timeout, "timeout")
+        return await _waited_async(await _shielded(self._reserved(key, call)))
 
     async def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """:meth:`RedisTokenBucketLimiter.charge`, awaited."""
@@ -327,7 +349,7 @@ class AsyncRedisReservation(ReservationState):
             await cast("AsyncRedisTokenBucketLimiter", limiter)._drive(call)
 
 
-def _wait(reservation: RedisReservation) -> Decision:
+def _waited(reservation: RedisReservation) -> RedisReservation:
     """Sleeps until a granted reservation's tokens are there; an exception while it
     sleeps gives them back (one refund) before it propagates."""
     if reservation and reservation.delay > 0:
@@ -338,7 +360,7 @@ def _wait(reservation: RedisReservation) -> Decision:
         except BaseException:
             _cancel_or_log(reservation)
             raise
-    return reservation.decision
+    return reservation
 
 
 def _cancel_or_log(reservation: RedisReservation) -> None:
@@ -350,8 +372,8 @@ def _cancel_or_log(reservation: RedisReservation) -> None:
         logger.debug("a waiter's refund failed", exc_info=True)
 
 
-async def _wait_async(reservation: AsyncRedisReservation) -> Decision:
-    """:func:`_wait` for asyncio: a task cancelled while it waits sends its refund in
+async def _waited_async(reservation: AsyncRedisReservation) -> AsyncRedisReservation:
+    """:func:`_waited` for asyncio: a task cancelled while it waits sends its refund in
     a task of its own, shielded, so that a second cancellation cannot lose it."""
     if reservation and reservation.delay > 0:
         limiter = reservation.checks[0][0]
@@ -364,7 +386,7 @@ async def _wait_async(reservation: AsyncRedisReservation) -> Decision:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(refund)
             raise
-    return reservation.decision
+    return reservation
 
 
 # Refunds sent after their waiter was cancelled: held until they end (the event
@@ -459,7 +481,7 @@ def acquire_all(
 ) -> Decision:
     """:func:`reserve_all`, then sleeps for its delay on the first limiter's clock;
     refused at once beyond ``timeout``."""
-    return _wait(reserve_all(checks, cost, max_wait=timeout, _name="timeout"))
+    return _waited(reserve_all(checks, cost, max_wait=timeout, _name="timeout")).decision
 
 
 async def acquire_all_async(
@@ -470,7 +492,7 @@ async def acquire_all_async(
 ) -> Decision:
     """:func:`acquire_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
     limiter, call = _all_async_call(checks, cost, timeout, "timeout")
-    return await _wait_async(await _shielded(_reserved_all(limiter, call)))
+    return (await _waited_async(await _shielded(_reserved_all(limiter, call)))).decision
 
 
 def _all_async_call(

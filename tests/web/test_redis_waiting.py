@@ -170,3 +170,51 @@ def test_fastapi_max_wait_with_the_sync_redis_limiter(redis_client: redis.Redis)
         assert clock.now == 2.0
 
     asyncio.run(main())
+
+
+def test_a_request_that_waited_gives_back_what_it_did_not_use_in_redis(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    """Settled through its Redis reservation, a request that waited for its tokens
+    gives back the unused part exactly when nobody queued behind it (a refund
+    without its place in the queue would have given back nothing)."""
+    clock = ManualClock()
+    limiter = RedisTokenBucketLimiter(redis_client, 100, 10, clock, prefix=fresh())
+    app = Flask(__name__)
+
+    @app.get("/complete")
+    @bl_flask.Limit(limiter, cost=60, name="tokens", max_wait=5)
+    def complete() -> dict[str, int]:
+        return {"refunded": bl_flask.reservation("tokens").settle(20)}
+
+    def get() -> Any:
+        return app.test_client().get("/complete", environ_base={"REMOTE_ADDR": PEER})
+
+    assert limiter.charge(PEER, 50)  # 50 left: the request waits 1 s for 60
+    assert get().get_json() == {"refunded": 40}
+    assert clock.now == 1.0
+    assert limiter.peek(PEER, 40).allowed
+    assert not limiter.peek(PEER, 41).allowed
+
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            tokens = AsyncRedisTokenBucketLimiter(client, 100, 10, clock, prefix=fresh())
+            tokens_limit = bl_fastapi.Limit(tokens, cost=60, name="tokens", max_wait=5)
+            fast = FastAPI()
+
+            @fast.get("/complete")
+            async def complete_async(
+                held: bl_fastapi.AsyncReservation = Depends(tokens_limit),  # noqa: B008
+            ) -> int:
+                return await held.settle(20)
+
+            await tokens.charge(PEER, 50)
+            assert (await call(fast, "/complete")).json() == 40
+            assert clock.now == 2.0
+            assert (await tokens.peek(PEER, 40)).allowed
+            assert not (await tokens.peek(PEER, 41)).allowed
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())

@@ -7,8 +7,7 @@ import threading
 from typing import Any, Generic, TypeVar
 
 from bucketlimit._core import Decision
-from bucketlimit._core import Reservation as CoreReservation
-from bucketlimit._web.limiters import AnyLimiter, SyncLimiter
+from bucketlimit._web.limiters import AnyLimiter, SyncLimiter, Waited
 
 
 def _check_used(used: int) -> int:
@@ -41,9 +40,9 @@ class _ReservationBase(Generic[L]):
         # The in-process limiter's reservation when the request waited for its
         # tokens: settled through it, a give-back keeps its place in the queue
         # (docs/design.md §4, "Giving back"); else refund / charge on the limiter.
-        self._core: CoreReservation | None = None
+        self._core: Waited | None = None
 
-    def _settle_through(self, core: CoreReservation) -> None:
+    def _settle_through(self, core: Waited) -> None:
         self._core = core
 
     @property
@@ -121,7 +120,7 @@ class AsyncReservation(_ReservationBase[AnyLimiter]):
         limiter: Any = self._limiter
         result: Any = None
         if difference and self._core is not None:
-            self._core.settle(used)
+            result = self._core.settle(used)  # awaited for an asyncio Redis limiter
         elif difference > 0:
             result = limiter.refund(self.key, difference)
         elif difference < 0 and callable(getattr(limiter, "charge", None)):
