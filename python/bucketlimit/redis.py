@@ -9,7 +9,12 @@
 The arithmetic of docs/design.md §4 runs inside Redis as one Lua script, one atomic
 step per call, so processes never race on a read-modify-write. The script reads the
 server's ``TIME``, so processes with skewed clocks agree; a ``clock`` given to the
-limiter is sent to the script instead (tests, single-clock setups).
+limiter is sent to the script instead (tests, single-clock setups). Reservations
+(``reserve``, ``acquire``, ``charge``, a reservation's ``cancel`` and ``settle``,
+``reserve_all`` / ``acquire_all``) are modes of the same script: FIFO across every
+process that talks to the server, in the order it ran the scripts; the waiter
+sleeps on its own clock for the delay the server computed (docs/redis.md,
+"Waiting your turn").
 
 The two classes here only talk to the client: every operation is written once,
 free of I/O, in ``bucketlimit._redis.limiter`` (validation, keys, the script and
