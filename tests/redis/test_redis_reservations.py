@@ -575,3 +575,32 @@ def test_a_refused_reservation_is_answered_from_the_refusal_cache(
     # Without a bound the store decides (a reservation in debt is granted).
     assert limiter.reserve("k")
     assert limiter.stats()["store_calls"] == calls + 1
+
+
+def test_a_sync_waiters_lost_refund_is_counted_and_the_error_goes_on(
+    redis_server_factory: ServerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = redis_server_factory.start()
+
+    class Outage(ManualClock):
+        """Stops the store while the waiter sleeps, then interrupts it."""
+
+        def sleep(self, seconds: float) -> None:
+            server.stop()
+            raise KeyboardInterrupt
+
+    client = redis.Redis(
+        host="127.0.0.1", port=server.port, socket_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
+    limiter = RedisTokenBucketLimiter(client, 1, 1, Outage(), prefix=fresh())
+    try:
+        assert limiter.allow("k")
+        with (
+            caplog.at_level(logging.WARNING, logger="bucketlimit"),
+            pytest.raises(KeyboardInterrupt),
+        ):
+            limiter.acquire("k")
+        assert limiter.stats()["lost_refunds"] == 1
+        assert any("did not reach the store" in r.getMessage() for r in caplog.records)
+    finally:
+        client.close()
