@@ -57,3 +57,7 @@ check: lint test ## everything CI runs
 .PHONY: bench
 bench: ## side-by-side benchmarks against other limiters; writes docs/benchmarks.md
 	$(PY) benches/run.py
+
+.PHONY: bench-redis
+bench-redis: ## Redis at scale: server time per decision, throughput, the script study (prints)
+	$(PY) -m benches.redis_scale

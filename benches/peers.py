@@ -113,6 +113,7 @@ def _limits(strategy: str, storage: Any, q: Quota) -> Subject:
     cls = {
         "fixed": strategies.FixedWindowRateLimiter,
         "sliding": strategies.SlidingWindowCounterRateLimiter,
+        "moving": strategies.MovingWindowRateLimiter,
     }[strategy]
     limiter = cls(storage)
     item = _limits_item(q)
@@ -197,11 +198,15 @@ def pyrate(q: Quota) -> Subject:
     return _pyrate(q, lambda _key: InMemoryStateStore(), MonotonicClock())
 
 
-def _throttled(q: Quota, store: Any) -> Subject:
+def _throttled(q: Quota, store: Any, using: str = "token_bucket") -> Subject:
     from throttled import Throttled, per_duration
 
-    quota = per_duration(timedelta(seconds=q.per), limit=q.rate, burst=q.capacity)
-    throttle = Throttled(using="token_bucket", quota=quota, store=store)
+    if using in ("fixed_window", "sliding_window"):
+        # A window holds `limit` per period, like limits' windows.
+        quota = per_duration(timedelta(seconds=q.per), limit=q.capacity)
+    else:
+        quota = per_duration(timedelta(seconds=q.per), limit=q.rate, burst=q.capacity)
+    throttle = Throttled(using=using, quota=quota, store=store)
     limit = throttle.limit
 
     def allow_cost(key: str, cost: int) -> object:
@@ -258,6 +263,13 @@ def limits_sliding_redis(q: Quota, port: int) -> Subject:
     return _limits("sliding", storage, q)
 
 
+def limits_moving_redis(q: Quota, port: int) -> Subject:
+    from limits.storage import RedisStorage
+
+    storage = RedisStorage(f"redis://127.0.0.1:{port}", single_connection_client=True)
+    return _limits("moving", storage, q)
+
+
 def pyrate_redis(q: Quota, port: int) -> Subject:
     from pyrate_limiter import RedisStateStore, WallClock
 
@@ -265,14 +277,16 @@ def pyrate_redis(q: Quota, port: int) -> Subject:
     return _pyrate(q, lambda key: RedisStateStore(client, f"pyrate:{key}"), WallClock())
 
 
-def throttled_redis(q: Quota, port: int) -> Subject:
+def throttled_redis(q: Quota, port: int, using: str = "token_bucket") -> Subject:
+    """throttled-py's Redis store: ``using`` is its algorithm (token_bucket, gcra,
+    fixed_window, sliding_window, leaking_bucket)."""
     from throttled import RedisStore
 
     store = RedisStore(
         server=f"redis://127.0.0.1:{port}/0",
         options={"REDIS_CLIENT_KWARGS": {"single_connection_client": True}},
     )
-    return _throttled(q, store)
+    return _throttled(q, store, using)
 
 
 REDIS_PEERS: dict[str, Callable[[Quota, int], Subject]] = {

@@ -140,7 +140,10 @@ def bucketlimit_rows(port: int, q: peers.Quota, loop: asyncio.AbstractEventLoop)
     rows = []
     client = peers.redis_client(port)
     try:
-        from bucketlimit.redis import _BUCKET_SCRIPT, _specialize
+        # The script and its per-limiter form live in bucketlimit._redis.script now
+        # (bucketlimit.redis no longer re-exports them).
+        from bucketlimit._redis.script import BUCKET_SCRIPT as _BUCKET_SCRIPT
+        from bucketlimit._redis.script import specialize as _specialize
     except ImportError as e:
         print(
             f"  note: bucketlimit.redis has no per-limiter script ({e}); its Redis rows are skipped"

@@ -1,0 +1,3 @@
+from benches.script_study.study import main
+
+main()
