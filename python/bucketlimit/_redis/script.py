@@ -68,18 +68,27 @@ BUCKET_SCRIPT: Final = Script(
 )
 
 # The one line of bucket.lua that reads a bucket's configuration from ARGV.
-_CONFIG_LINE: Final = re.compile(
-    r"^(\s*local capacity, unit, p, cost, x = ).*-- config$", re.MULTILINE
-)
+_CONFIG_LINE: Final = re.compile(r"^(\s*local ([\w, ]+) = ).*-- config$", re.MULTILINE)
 
 
 def specialize(template: str, capacity: int, unit: int, p: int) -> str:
     """A limiter's own form of the script: ``template`` (bucket.lua) with the limiter's
-    configuration written into the line marked ``config`` (the cost is the script's
-    ARGV[1], the 4 more follow now), so that a call sends one key and at most seven
-    arguments. Comment lines are dropped: Redis keeps one copy of each
+    configuration written into the line marked ``config`` (its names: capacity, unit
+    and p get the numbers, cost the script's ARGV[1], x where the 4 more start after
+    now), so that a call sends one key and at most seven arguments. A template whose
+    line names only capacity, unit and p (an older bucket.lua, a study's variant)
+    gets just those. Comment lines are dropped: Redis keeps one copy of each
     distinct script for as long as it runs."""
-    source, found = _CONFIG_LINE.subn(rf"\g<1>{capacity}, {unit}, {p}, cost, {OWN_X}", template)
+    own = {"capacity": str(capacity), "unit": str(unit), "p": str(p), "cost": "cost"}
+    own["x"] = str(OWN_X)
+
+    def written(match: re.Match[str]) -> str:
+        names = [name.strip() for name in match.group(2).split(",")]
+        if not set(names) <= own.keys():
+            raise RuntimeError(f"bucket.lua's config line names {names}")
+        return match.group(1) + ", ".join(own[name] for name in names)
+
+    source, found = _CONFIG_LINE.subn(written, template)
     if found != 1:
         raise RuntimeError("bucket.lua has no line ending in '-- config'")
     lines = [line for line in source.splitlines() if line.strip() and not _is_comment(line)]
