@@ -23,15 +23,26 @@ from bucketlimit._core import (
     Reservation,
     TokenBucketLimiter,
     __version__,
-    acquire_all,
-    acquire_all_async,
-    reserve_all,
 )
 from bucketlimit._errors import ConfigurationError
 from bucketlimit._stats import LimiterStats, RedisLimiterStats
 
 if TYPE_CHECKING:
-    from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
+    from bucketlimit.redis import (
+        AsyncRedisReservation,
+        AsyncRedisTokenBucketLimiter,
+        RedisReservation,
+        RedisTokenBucketLimiter,
+    )
+
+    # The checks of Redis limiters (bucketlimit.redis), sync and asyncio.
+    RedisCheck = (
+        tuple[RedisTokenBucketLimiter, str] | tuple[RedisTokenBucketLimiter, str, SupportsIndex]
+    )
+    AsyncRedisCheck = (
+        tuple[AsyncRedisTokenBucketLimiter, str]
+        | tuple[AsyncRedisTokenBucketLimiter, str, SupportsIndex]
+    )
 
 # A library leaves output to the application: its records (rare: a full
 # max_keys table, a store outage) go wherever the application's logging sends
@@ -62,12 +73,10 @@ Check = tuple[TokenBucketLimiter, str] | tuple[TokenBucketLimiter, str, Supports
 @overload
 def allow_all(checks: Iterable[Check], cost: SupportsIndex = 1) -> Decision: ...
 @overload
-def allow_all(
-    checks: Iterable[tuple[RedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
-) -> Decision: ...
+def allow_all(checks: Iterable[RedisCheck], cost: SupportsIndex = 1) -> Decision: ...
 @overload
 def allow_all(
-    checks: Iterable[tuple[AsyncRedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
+    checks: Iterable[AsyncRedisCheck], cost: SupportsIndex = 1
 ) -> Coroutine[Any, Any, Decision]: ...
 def allow_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1) -> Any:
     """Spends ``cost`` from every (limiter, key) only if all of them allow.
@@ -88,3 +97,68 @@ def allow_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1) -> Any:
         if routed is not None:
             return routed
     return _core.allow_all(checks, cost)
+
+
+@overload
+def reserve_all(
+    checks: Iterable[Check], cost: SupportsIndex = 1, *, max_wait: float | None = None
+) -> Reservation: ...
+@overload
+def reserve_all(
+    checks: Iterable[RedisCheck], cost: SupportsIndex = 1, *, max_wait: float | None = None
+) -> RedisReservation: ...
+@overload
+def reserve_all(
+    checks: Iterable[AsyncRedisCheck], cost: SupportsIndex = 1, *, max_wait: float | None = None
+) -> Coroutine[Any, Any, AsyncRedisReservation]: ...
+def reserve_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, max_wait: Any = None) -> Any:
+    """Reserves each check's cost from every bucket at the same moment, all or
+    nothing; the delay is the longest. Redis limiters sharing one client run as
+    one script (``bucketlimit.redis.reserve_all``; a coroutine for asyncio ones)."""
+    redis = sys.modules.get("bucketlimit.redis")
+    if redis is not None:
+        checks = list(checks)
+        routed = redis._route_all("reserve_all", checks, cost, max_wait)
+        if routed is not None:
+            return routed
+    return _core.reserve_all(checks, cost, max_wait=max_wait)
+
+
+@overload
+def acquire_all(
+    checks: Iterable[Check], cost: SupportsIndex = 1, *, timeout: float | None = None
+) -> Decision: ...
+@overload
+def acquire_all(
+    checks: Iterable[RedisCheck], cost: SupportsIndex = 1, *, timeout: float | None = None
+) -> Decision: ...
+def acquire_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, timeout: Any = None) -> Any:
+    """``reserve_all``, then blocks for its delay; refused at once beyond ``timeout``."""
+    redis = sys.modules.get("bucketlimit.redis")
+    if redis is not None:
+        checks = list(checks)
+        routed = redis._route_all("acquire_all", checks, cost, timeout)
+        if routed is not None:
+            return routed
+    return _core.acquire_all(checks, cost, timeout=timeout)
+
+
+@overload
+def acquire_all_async(
+    checks: Iterable[Check], cost: SupportsIndex = 1, *, timeout: float | None = None
+) -> _core.Acquiring: ...
+@overload
+def acquire_all_async(
+    checks: Iterable[AsyncRedisCheck], cost: SupportsIndex = 1, *, timeout: float | None = None
+) -> Coroutine[Any, Any, Decision]: ...
+def acquire_all_async(
+    checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, timeout: Any = None
+) -> Any:
+    """``acquire_all`` for asyncio (a coroutine); a cancelled waiter gives its tokens back."""
+    redis = sys.modules.get("bucketlimit.redis")
+    if redis is not None:
+        checks = list(checks)
+        routed = redis._route_all("acquire_all_async", checks, cost, timeout)
+        if routed is not None:
+            return routed
+    return _core.acquire_all_async(checks, cost, timeout=timeout)

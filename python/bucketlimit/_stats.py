@@ -30,4 +30,5 @@ class RedisLimiterStats(TypedDict):
     store_errors: int  # store faults and corrupt buckets
     fallback_decisions: int  # answers without the store (``degraded=True``)
     refusal_cache_hits: int  # refusals answered from the refusal cache
+    lost_refunds: int  # give-backs that could not reach the store (never sent again)
     breaker_openings: int  # outages: times the breaker opened

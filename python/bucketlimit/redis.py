@@ -9,7 +9,12 @@
 The arithmetic of docs/design.md §4 runs inside Redis as one Lua script, one atomic
 step per call, so processes never race on a read-modify-write. The script reads the
 server's ``TIME``, so processes with skewed clocks agree; a ``clock`` given to the
-limiter is sent to the script instead (tests, single-clock setups).
+limiter is sent to the script instead (tests, single-clock setups). Reservations
+(``reserve``, ``acquire``, ``charge``, a reservation's ``cancel`` and ``settle``,
+``reserve_all`` / ``acquire_all``) are modes of the same script: FIFO across every
+process that talks to the server, in the order it ran the scripts; the waiter
+sleeps on its own clock for the delay the server computed (docs/redis.md,
+"Waiting your turn").
 
 The two classes here only talk to the client: every operation is written once,
 free of I/O, in ``bucketlimit._redis.limiter`` (validation, keys, the script and
@@ -22,31 +27,56 @@ counting), as steps that leave a call pending on a command, which
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, SupportsIndex
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 from bucketlimit._core import Decision
 from bucketlimit._redis.errors import (
     ConfigurationError,
     CorruptBucketError,
+    ExactRangeError,
     StoreUnavailableError,
 )
-from bucketlimit._redis.limiter import DEFAULT_TIMEOUT, PENDING, Call, RedisLimiter, allow_all_call
+from bucketlimit._redis.limiter import (
+    DEFAULT_TIMEOUT,
+    PENDING,
+    Call,
+    RedisLimiter,
+    ReservationState,
+    all_call,
+    allow_all_call,
+)
 from bucketlimit._redis.resilience import Policy
-from bucketlimit._redis.script import ALLOW, PEEK, REFUND
+from bucketlimit._redis.script import ALLOW, BUCKET_SCRIPT, PEEK, REFUND, RESERVE, specialize
 from bucketlimit._redis.script import Script as _Script
+
+# For benches/redis_bench.py: the script as written, and a limiter's own form of it.
+_BUCKET_SCRIPT = BUCKET_SCRIPT
+_specialize = specialize
+
+logger = logging.getLogger("bucketlimit")
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "AsyncRedisReservation",
     "AsyncRedisTokenBucketLimiter",
     "ConfigurationError",
     "CorruptBucketError",
+    "ExactRangeError",
     "Policy",
+    "RedisReservation",
     "RedisTokenBucketLimiter",
     "StoreUnavailableError",
     "_Script",
+    "acquire_all",
+    "acquire_all_async",
     "allow_all",
     "allow_all_async",
+    "reserve_all",
+    "reserve_all_async",
 ]
 
 if TYPE_CHECKING:
@@ -126,6 +156,67 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         """Makes the key's bucket full again (deletes it)."""
         self._drive(self._reset_call(key))
 
+    def reserve(
+        self, key: str, cost: SupportsIndex = 1, *, max_wait: float | None = None
+    ) -> RedisReservation:
+        """Takes ``cost`` tokens now, in debt if need be, in one script on the server's
+        clock; ``delay`` says when they are yours. Refused at once, spending nothing,
+        when the wait would exceed ``max_wait`` seconds (``None``: no limit but the
+        debt bound). FIFO across every process using the bucket (docs/redis.md)."""
+        return self._reserve(key, cost, max_wait, "max_wait")
+
+    def _reserve(self, key: str, cost: object, wait: object, name: str) -> RedisReservation:
+        call = self._reserve_call(key, cost, wait, name)
+        return RedisReservation([(self, key, call.cost)], self._drive(call))
+
+    def acquire(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> Decision:
+        """``reserve``, then sleeps this thread for its delay (the limiter's clock's
+        ``sleep`` when it has one, else ``time.sleep``); refused at once beyond
+        ``timeout``. An exception while sleeping gives the tokens back (one refund)
+        before it propagates."""
+        return _waited(self._reserve(key, cost, timeout, "timeout")).decision
+
+    def _acquire_reservation(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> RedisReservation:
+        """``acquire``, answering with the reservation (granted or refused), for
+        callers that settle it later: the web adapters' ``max_wait``."""
+        return _waited(self._reserve(key, cost, timeout, "timeout"))
+
+    async def acquire_async(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> Decision:
+        """``acquire`` for asyncio code holding this sync limiter (an async view or
+        middleware given it): the reservation is one blocking round trip, as
+        ``allow`` is from async code, then the delay is awaited (the clock's
+        ``sleep_async`` when it has one, else ``asyncio.sleep``). No cancellation
+        point lies between taking the tokens and holding them; a task cancelled
+        while it waits gives them back (one refund, a blocking round trip too).
+        An asyncio service should use :class:`AsyncRedisTokenBucketLimiter`."""
+        return (await self._acquire_reservation_async(key, cost, timeout=timeout)).decision
+
+    async def _acquire_reservation_async(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> RedisReservation:
+        """``acquire_async``, answering with the reservation (see
+        ``_acquire_reservation``)."""
+        reservation = self._reserve(key, cost, timeout, "timeout")
+        if reservation and reservation.delay > 0:
+            sleep = getattr(self._clock, "sleep_async", None)
+            try:
+                await (sleep if callable(sleep) else asyncio.sleep)(reservation.delay)
+            except BaseException:
+                _cancel_or_log(reservation)
+                raise
+        return reservation
+
+    def charge(self, key: str, cost: SupportsIndex) -> Decision:
+        """Records use that already happened: any cost >= 1, debt allowed."""
+        answer: Decision = self._drive(self._charge_call(key, cost))
+        return answer
+
     def check(self) -> None:
         """Asks the store now: connects, authenticates, runs the script (a peek at a
         key no bucket uses, so nothing is written) and reads the server's version.
@@ -185,16 +276,162 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         """:meth:`RedisTokenBucketLimiter.reset`, awaited."""
         await self._drive(self._reset_call(key))
 
+    async def reserve(
+        self, key: str, cost: SupportsIndex = 1, *, max_wait: float | None = None
+    ) -> AsyncRedisReservation:
+        """:meth:`RedisTokenBucketLimiter.reserve`, awaited; its ``cancel`` and
+        ``settle`` are coroutines. Cancelled while its script is on its way, it
+        lets the reply land and then gives the tokens back (one refund)."""
+        call = self._reserve_call(key, cost, max_wait)
+        return await _shielded(self._reserved(key, call))
+
+    async def _reserved(self, key: str, call: Call) -> AsyncRedisReservation:
+        return AsyncRedisReservation([(self, key, call.cost)], await self._drive(call))
+
+    async def acquire(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> Decision:
+        """:meth:`RedisTokenBucketLimiter.acquire` for asyncio: awaits the delay (the
+        clock's ``sleep_async`` when it has one, else ``asyncio.sleep``); a task
+        cancelled while it waits gives its tokens back (one refund, shielded from a
+        second cancellation). Cancelled while the reservation itself is on its way,
+        it lets the reply land and then gives the tokens back."""
+        call = self._reserve_call(key, cost, timeout, "timeout")
+        return (await _waited_async(await _shielded(self._reserved(key, call)))).decision
+
+    async def _acquire_reservation_async(
+        self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
+    ) -> AsyncRedisReservation:
+        """``acquire``, answering with the reservation (granted or refused), for
+        callers that settle it later: the web adapters' ``max_wait``."""
+        call = self._reserve_call(key, cost, timeout, "timeout")
+        return await _waited_async(await _shielded(self._reserved(key, call)))
+
+    async def charge(self, key: str, cost: SupportsIndex) -> Decision:
+        """:meth:`RedisTokenBucketLimiter.charge`, awaited."""
+        answer: Decision = await self._drive(self._charge_call(key, cost))
+        return answer
+
     async def check(self) -> None:
         """:meth:`RedisTokenBucketLimiter.check`, awaited."""
         await self._drive(self._check_call())
 
 
-def allow_all(
-    checks: Iterable[tuple[RedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
-) -> Decision:
+class RedisReservation(ReservationState):
+    """Tokens taken from one or more Redis buckets; truthy when granted. Use them
+    after ``delay`` seconds; ``cancel()`` gives them back, ``settle(used)`` turns the
+    estimate into the actual use (each sends one script, once)."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:
+        """Gives every token back (capped at capacity, and at what the buckets may
+        take back: docs/design.md §4). Once; nothing for a refusal."""
+        for limiter, call in self._cancel_calls():
+            cast("RedisTokenBucketLimiter", limiter)._drive(call)
+
+    def settle(self, used: SupportsIndex | Sequence[SupportsIndex]) -> None:
+        """The actual use: gives back ``cost - used``, or charges ``used - cost`` more.
+        One ``used`` for every bucket, or a sequence with one per bucket. Once."""
+        for limiter, call in self._settle_calls(used):
+            cast("RedisTokenBucketLimiter", limiter)._drive(call)
+
+
+class AsyncRedisReservation(ReservationState):
+    """:class:`RedisReservation` of the asyncio limiters: ``cancel`` and ``settle``
+    are coroutines."""
+
+    __slots__ = ()
+
+    async def cancel(self) -> None:
+        """:meth:`RedisReservation.cancel`, awaited."""
+        for limiter, call in self._cancel_calls():
+            await cast("AsyncRedisTokenBucketLimiter", limiter)._drive(call)
+
+    async def settle(self, used: SupportsIndex | Sequence[SupportsIndex]) -> None:
+        """:meth:`RedisReservation.settle`, awaited."""
+        for limiter, call in self._settle_calls(used):
+            await cast("AsyncRedisTokenBucketLimiter", limiter)._drive(call)
+
+
+def _waited(reservation: RedisReservation) -> RedisReservation:
+    """Sleeps until a granted reservation's tokens are there; an exception while it
+    sleeps gives them back (one refund) before it propagates."""
+    if reservation and reservation.delay > 0:
+        limiter = reservation.checks[0][0]
+        sleep = getattr(limiter._clock, "sleep", None)
+        try:
+            (sleep if callable(sleep) else time.sleep)(reservation.delay)
+        except BaseException:
+            _cancel_or_log(reservation)
+            raise
+    return reservation
+
+
+def _cancel_or_log(reservation: RedisReservation) -> None:
+    """A waiter's one refund; its failure is counted and logged as a lost refund,
+    and the waiter's own error goes on."""
+    try:
+        reservation.cancel()
+    except Exception:
+        logger.debug("a waiter's refund failed", exc_info=True)
+
+
+async def _waited_async(reservation: AsyncRedisReservation) -> AsyncRedisReservation:
+    """:func:`_waited` for asyncio: a task cancelled while it waits sends its refund in
+    a task of its own, shielded, so that a second cancellation cannot lose it."""
+    if reservation and reservation.delay > 0:
+        limiter = reservation.checks[0][0]
+        sleep = getattr(limiter._clock, "sleep_async", None)
+        try:
+            await (sleep if callable(sleep) else asyncio.sleep)(reservation.delay)
+        except BaseException:
+            refund = asyncio.ensure_future(_cancel_quietly(reservation))
+            # Cancelled again while it is sent: the refund goes on without us.
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(refund)
+            raise
+    return reservation
+
+
+# Refunds sent after their waiter was cancelled: held until they end (the event
+# loop keeps only weak references to tasks).
+_REFUNDS: set[asyncio.Future[None]] = set()
+
+
+async def _shielded(reserving: Coroutine[Any, Any, AsyncRedisReservation]) -> AsyncRedisReservation:
+    """Awaits a reservation's round trip shielded from cancellation: a waiter
+    cancelled while its script may already have run lets the reply land and then
+    gives the tokens back (one refund), instead of losing them with the reply."""
+    task = asyncio.ensure_future(reserving)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_give_back_when_done)
+        raise
+
+
+def _give_back_when_done(task: asyncio.Future[AsyncRedisReservation]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return  # nothing was reserved, or the failure was answered and counted
+    reservation = task.result()
+    if reservation:
+        refund = asyncio.ensure_future(_cancel_quietly(reservation))
+        _REFUNDS.add(refund)
+        refund.add_done_callback(_REFUNDS.discard)
+
+
+async def _cancel_quietly(reservation: AsyncRedisReservation) -> None:
+    try:
+        await reservation.cancel()
+    except Exception:  # counted and logged as a lost refund
+        logger.debug("a waiter's refund failed", exc_info=True)
+
+
+def allow_all(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Decision:
     """``bucketlimit.allow_all`` for Redis limiters sharing one client: one script
-    that checks every bucket before it spends from any."""
+    that checks every bucket before it spends from any. A check is ``(limiter, key)``
+    (charged ``cost``) or ``(limiter, key, cost)``."""
     limiter, call = allow_all_call(checks, cost)
     if not isinstance(limiter, RedisTokenBucketLimiter):
         raise TypeError("allow_all takes RedisTokenBucketLimiter instances here")
@@ -202,9 +439,7 @@ def allow_all(
     return answer
 
 
-async def allow_all_async(
-    checks: Iterable[tuple[AsyncRedisTokenBucketLimiter, str]], cost: SupportsIndex = 1
-) -> Decision:
+async def allow_all_async(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Decision:
     """:func:`allow_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
     limiter, call = allow_all_call(checks, cost)
     if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
@@ -213,28 +448,122 @@ async def allow_all_async(
     return answer
 
 
-def _route_allow_all(checks: list[Any], cost: object) -> Any:
-    """For ``bucketlimit.allow_all``: the Redis answer (a coroutine for asyncio
-    limiters), or ``None`` when no Redis limiter is named."""
+def reserve_all(
+    checks: Iterable[tuple[Any, ...]],
+    cost: SupportsIndex = 1,
+    *,
+    max_wait: float | None = None,
+    _name: str = "max_wait",
+) -> RedisReservation:
+    """``bucketlimit.reserve_all`` for Redis limiters sharing one client: one script
+    reserves every check's cost at the same moment, all or nothing (every bucket is
+    checked before any is written); the delay is the longest."""
+    limiter, call = all_call(checks, cost, RESERVE, max_wait, what="reserve_all", name=_name)
+    if not isinstance(limiter, RedisTokenBucketLimiter):
+        raise TypeError("reserve_all takes RedisTokenBucketLimiter instances here")
+    assert call.checks is not None
+    return RedisReservation(call.checks, limiter._drive(call))
+
+
+async def reserve_all_async(
+    checks: Iterable[tuple[Any, ...]],
+    cost: SupportsIndex = 1,
+    *,
+    max_wait: float | None = None,
+) -> AsyncRedisReservation:
+    """:func:`reserve_all` for :class:`AsyncRedisTokenBucketLimiter` instances;
+    cancelled while its script is on its way, it gives the tokens back once the
+    reply lands."""
+    limiter, call = _all_async_call(checks, cost, max_wait, "max_wait")
+    return await _shielded(_reserved_all(limiter, call))
+
+
+def acquire_all(
+    checks: Iterable[tuple[Any, ...]],
+    cost: SupportsIndex = 1,
+    *,
+    timeout: float | None = None,
+) -> Decision:
+    """:func:`reserve_all`, then sleeps for its delay on the first limiter's clock;
+    refused at once beyond ``timeout``."""
+    return _waited(reserve_all(checks, cost, max_wait=timeout, _name="timeout")).decision
+
+
+async def acquire_all_async(
+    checks: Iterable[tuple[Any, ...]],
+    cost: SupportsIndex = 1,
+    *,
+    timeout: float | None = None,
+) -> Decision:
+    """:func:`acquire_all` for :class:`AsyncRedisTokenBucketLimiter` instances."""
+    limiter, call = _all_async_call(checks, cost, timeout, "timeout")
+    return (await _waited_async(await _shielded(_reserved_all(limiter, call)))).decision
+
+
+def _all_async_call(
+    checks: Iterable[tuple[Any, ...]], cost: object, wait: object, name: str
+) -> tuple[AsyncRedisTokenBucketLimiter, Call]:
+    limiter, call = all_call(checks, cost, RESERVE, wait, what="reserve_all", name=name)
+    if not isinstance(limiter, AsyncRedisTokenBucketLimiter):
+        raise TypeError("reserve_all_async takes AsyncRedisTokenBucketLimiter instances")
+    return limiter, call
+
+
+async def _reserved_all(limiter: AsyncRedisTokenBucketLimiter, call: Call) -> AsyncRedisReservation:
+    assert call.checks is not None
+    return AsyncRedisReservation(call.checks, await limiter._drive(call))
+
+
+def _kind(checks: list[Any], what: str) -> str | None:
+    """``"redis"``, ``"asyncio redis"``, or ``None`` when no Redis limiter is named."""
     kinds: set[str | None] = set()
     for item in checks:
-        try:
-            limiter, _ = item
-        except (TypeError, ValueError):
-            limiter = None  # not a pair: the core says so
+        limiter = item[0] if isinstance(item, tuple) and item else None
         if isinstance(limiter, RedisTokenBucketLimiter):
             kinds.add("redis")
         elif isinstance(limiter, AsyncRedisTokenBucketLimiter):
             kinds.add("asyncio redis")
         else:
             kinds.add(None)
-    if kinds == {"redis"}:
-        return allow_all(checks, cost)  # type: ignore[arg-type]  # cost is checked inside
-    if kinds == {"asyncio redis"}:
-        return allow_all_async(checks, cost)  # type: ignore[arg-type]
     if kinds <= {None}:
         return None
+    if len(kinds) == 1:
+        return kinds.pop()
     raise TypeError(
-        "allow_all cannot mix in-process, Redis and asyncio Redis limiters: each kind "
+        f"{what} cannot mix in-process, Redis and asyncio Redis limiters: each kind "
         "keeps its buckets elsewhere, so no single step can check them all"
     )
+
+
+def _route_all(what: str, checks: list[Any], cost: object, wait: object) -> Any:
+    """For ``bucketlimit.reserve_all`` / ``acquire_all`` / ``acquire_all_async``: the
+    Redis answer (a coroutine for asyncio limiters), or ``None`` when no Redis
+    limiter is named. ``acquire_all`` over asyncio limiters is a TypeError: it would
+    block the event loop (use ``acquire_all_async``)."""
+    kind = _kind(checks, what)
+    if kind is None:
+        return None
+    if what == "reserve_all":
+        if kind == "redis":
+            return reserve_all(checks, cost, max_wait=wait)  # type: ignore[arg-type]
+        return reserve_all_async(checks, cost, max_wait=wait)  # type: ignore[arg-type]
+    if what == "acquire_all" and kind == "redis":
+        return acquire_all(checks, cost, timeout=wait)  # type: ignore[arg-type]
+    if what == "acquire_all_async" and kind == "asyncio redis":
+        return acquire_all_async(checks, cost, timeout=wait)  # type: ignore[arg-type]
+    raise TypeError(
+        f"{what} takes "
+        + ("RedisTokenBucketLimiter" if what == "acquire_all" else "AsyncRedisTokenBucketLimiter")
+        + " instances (acquire_all blocks the thread, acquire_all_async awaits)"
+    )
+
+
+def _route_allow_all(checks: list[Any], cost: object) -> Any:
+    """For ``bucketlimit.allow_all``: the Redis answer (a coroutine for asyncio
+    limiters), or ``None`` when no Redis limiter is named."""
+    kind = _kind(checks, "allow_all")
+    if kind == "redis":
+        return allow_all(checks, cost)  # type: ignore[arg-type]  # cost is checked inside
+    if kind == "asyncio redis":
+        return allow_all_async(checks, cost)  # type: ignore[arg-type]
+    return None

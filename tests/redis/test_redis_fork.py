@@ -57,7 +57,7 @@ def test_children_forked_during_calls_never_hang(redis_client: redis.Redis) -> N
     # The store is down for `down` (its breaker is open: every call takes its lock);
     # `refused` answers from its refusal cache (its lock); the clock is advanced.
     down = RedisTokenBucketLimiter.from_url(
-        f"redis://127.0.0.1:{free_port()}/0", 10**9, 1, retry_interval=3600
+        f"redis://127.0.0.1:{free_port()}/0", 10**6, 1, retry_interval=3600
     )
     refused = RedisTokenBucketLimiter(redis_client, 1, 0.001)
     assert refused.allow("spent")

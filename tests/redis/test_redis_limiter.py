@@ -104,6 +104,7 @@ def test_properties_repr_and_stats(redis_client: redis.Redis) -> None:
         "fallback_decisions": 0,
         "breaker_openings": 0,
         "refusal_cache_hits": 2,
+        "lost_refunds": 0,
     }
 
 
@@ -206,10 +207,14 @@ def test_bad_configuration(redis_client: redis.Redis) -> None:
 
 
 def test_beyond_lua_doubles_is_rejected_at_construction(redis_client: redis.Redis) -> None:
-    """capacity * unit + p must stay below 2**53: Lua computes in doubles."""
+    """(1 + MAX_DEBT_CAPACITIES) * capacity * unit + p must stay below 2**53: Lua
+    computes in doubles, and a bucket may owe MAX_DEBT_CAPACITIES capacities."""
     # Rate 1: one token is 10**6 units and one µs refills 1 unit.
-    largest = (2**53 - 1 - 1) // MICROS
+    reach = 1 + bucketlimit.MAX_DEBT_CAPACITIES
+    largest = (2**53 - 1 - 1) // (reach * MICROS)
     with pytest.raises(ValueError, match=r"2\*\*53"):
+        RedisTokenBucketLimiter(redis_client, largest + 1, 1)
+    with pytest.raises(bucketlimit.ConfigurationError, match="owe 1000 capacities"):
         RedisTokenBucketLimiter(redis_client, largest + 1, 1)
     with pytest.raises(ValueError, match=r"2\*\*53"):
         RedisTokenBucketLimiter(redis_client, 1, 2**53)  # p alone
@@ -246,7 +251,8 @@ def test_clock_errors(redis_client: redis.Redis) -> None:
 
 
 @pytest.mark.parametrize(
-    "value", ["nan", "inf", "1 2 3", "-5 0", "1.5 0", "", "99999999999999999999 0", "x y"]
+    "value",
+    ["nan", "inf", "1 2 -3", "1 2 3 4", "-5 0 x", "1.5 0", "", "99999999999999999999 0", "x y"],
 )
 def test_a_corrupt_value_is_never_an_allow(redis_client: redis.Redis, value: str) -> None:
     # "raise" shows the error; the other policies refuse (test_redis_faults.py).
@@ -530,6 +536,7 @@ def test_async_limiter_matches_in_process(redis_url: str) -> None:
             "fallback_decisions": 0,
             "breaker_openings": 0,
             "refusal_cache_hits": 0,
+            "lost_refunds": 0,
         }
 
     async def run() -> None:

@@ -87,6 +87,14 @@ class ConfigurationError(_errors.ConfigurationError):
     """
 
 
+class ExactRangeError(_errors.ConfigurationError, ValueError):
+    """A configuration the Redis script cannot compute exactly: Lua numbers are
+    doubles, exact only below 2**53, and a bucket may owe up to
+    ``MAX_DEBT_CAPACITIES`` capacities (docs/design.md §4), so the constructor
+    refuses ``(1 + MAX_DEBT_CAPACITIES) * capacity * units per token + units per
+    microsecond >= 2**53``. A ``ValueError`` too: a wrong value, raised at once."""
+
+
 class StoreUnavailableError(_ConnectionErrorBase):
     """Under ``on_store_error="raise"``: the store failed moments ago and the breaker
     skips it until ``retry_interval`` has passed, so no command was sent.

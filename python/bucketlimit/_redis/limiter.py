@@ -19,6 +19,7 @@ command that timed out may have run, and sending it again could charge twice.
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import operator
 import threading
@@ -38,7 +39,7 @@ from typing import (
 )
 
 from bucketlimit import _core
-from bucketlimit._core import Decision
+from bucketlimit._core import MAX_DEBT_CAPACITIES, Decision
 from bucketlimit._redis import clients
 from bucketlimit._redis.errors import (
     CONFIG,
@@ -47,6 +48,7 @@ from bucketlimit._redis.errors import (
     FAULT,
     REDIRECTED,
     ClusterError,
+    ExactRangeError,
     NoPermissionError,
     NoScriptError,
     ResponseError,
@@ -76,11 +78,14 @@ from bucketlimit._redis.resilience import (
 from bucketlimit._redis.script import (
     ALLOW,
     BUCKET_SCRIPT,
+    CHARGE,
     CHECK,
     LUA_EXACT,
     NO_ARGS,
+    NONE,
     PEEK,
     REFUND,
+    RESERVE,
     RESET,
     SERVER_TIME,
     Mode,
@@ -92,6 +97,8 @@ from bucketlimit._stats import RedisLimiterStats
 if TYPE_CHECKING:
     from typing import Self, Unpack
 
+logger = logging.getLogger("bucketlimit")
+
 
 class _Pending(enum.Enum):
     PENDING = "pending"
@@ -100,9 +107,36 @@ class _Pending(enum.Enum):
 #: What a step answers while its call waits on a command (``call.name``,
 #: ``call.argv``): the driver sends it and hands the outcome to the next step.
 PENDING: Final = _Pending.PENDING
-#: A step's answer: the call's result (a Decision, or None for a refund, a reset,
-#: a check), or PENDING.
-Answer = Decision | None | Literal[_Pending.PENDING]
+#: Where a waiting reservation left a bucket's cap line: the bucket's time and
+#: balance right after it, and the headroom before it (docs/design.md §4, "Giving
+#: back"); its give-back sends it, with the reservation's cost.
+Line = tuple[int, int, int]
+
+
+class Reserved:
+    """What a reservation's steps answer: the decision, the delay in seconds (for a
+    refusal the wait it would have needed; ``math.inf``: never), the line of each
+    bucket it waits in (``None`` where it does not), and, when the store could not be
+    asked under ``on_store_error="local"``, the in-process reservation made instead."""
+
+    __slots__ = ("decision", "delay", "lines", "local")
+
+    def __init__(
+        self,
+        decision: Decision,
+        delay: float,
+        lines: list[Line | None],
+        local: _core.Reservation | None = None,
+    ) -> None:
+        self.decision = decision
+        self.delay = delay
+        self.lines = lines
+        self.local = local
+
+
+#: A step's answer: the call's result (a Decision, a Reserved, or None for a refund,
+#: a reset, a check), or PENDING.
+Answer = Decision | Reserved | None | Literal[_Pending.PENDING]
 #: The client type of a limiter class (redis-py's sync or asyncio clients).
 C = TypeVar("C")
 
@@ -153,6 +187,7 @@ class Call:
         "gate",
         "key",
         "keys",
+        "max_wait",
         "mode",
         "name",
         "script",
@@ -168,15 +203,17 @@ class Call:
         script: Script,
         keys: list[bytes],
         args: Sequence[Any],
-        checks: Sequence[tuple[RedisLimiter[Any], str]] | None = None,
+        checks: Sequence[tuple[RedisLimiter[Any], str, int]] | None = None,
+        max_wait: int | None = None,
     ) -> None:
         self.mode = mode
         self.key = key  # "" for allow_all, which has checks instead
-        self.cost = cost
+        self.cost = cost  # for allow_all, the smallest of the checks' costs
         self.script = script
         self.keys = keys
         self.args = args  # the script's arguments
-        self.checks = checks
+        self.checks = checks  # (limiter, key, cost) of a call over several buckets
+        self.max_wait = max_wait  # a reservation's, in µs; None: no limit
         self.gate = STORE
         self.breaker: Breaker | None = None  # the breaker of the node asked (set by _start)
         self.started = 0.0  # time.monotonic() before sending, for the refusal cache
@@ -194,6 +231,7 @@ class Counters:
         "_lock",
         "allowed",
         "fallback_decisions",
+        "lost_refunds",
         "refusal_cache_hits",
         "refused",
         "script_loads",
@@ -205,6 +243,7 @@ class Counters:
         self._lock = threading.Lock()
         self.allowed = self.refused = self.store_calls = self.script_loads = 0
         self.store_errors = self.fallback_decisions = self.refusal_cache_hits = 0
+        self.lost_refunds = 0
         fork_safe(self)
 
     def _after_fork(self) -> None:
@@ -225,7 +264,7 @@ class Counters:
 
     def event(self, name: str) -> None:
         """One of the rarer things a call meets: ``script_loads``, ``store_errors``,
-        ``fallback_decisions`` or ``refusal_cache_hits``."""
+        ``fallback_decisions``, ``refusal_cache_hits`` or ``lost_refunds``."""
         with self._lock:
             setattr(self, name, getattr(self, name) + 1)
 
@@ -278,11 +317,16 @@ class RedisLimiter(Generic[C]):
                 f"got {type(clock).__name__}"
             )
         self._keys = Keys(prefix, hash_tag)
-        if capacity * unit + p >= LUA_EXACT:
-            raise ValueError(
+        # A bucket may owe MAX_DEBT_CAPACITIES capacities: every balance, wait and
+        # cap line of the script is then within (1 + MAX_DEBT_CAPACITIES) * full.
+        reach = (1 + MAX_DEBT_CAPACITIES) * capacity * unit + p
+        if reach >= LUA_EXACT:
+            raise ExactRangeError(
                 f"capacity {capacity} with rate {rate!r} per {per!r} is beyond the exact range "
                 "of the Redis script: Lua numbers are doubles, exact only below 2**53, and "
-                f"capacity * units per token + units per microsecond = {capacity * unit + p}"
+                f"a bucket may owe {MAX_DEBT_CAPACITIES} capacities, so (1 + "
+                f"{MAX_DEBT_CAPACITIES}) * capacity * units per token + units per "
+                f"microsecond must be below 2**53; it is {reach}"
             )
         # The client, or None until from_url's is built (_connect).
         self._client: C | None = None if lazy is not None else client
@@ -464,8 +508,10 @@ class RedisLimiter(Generic[C]):
         ``store_calls`` (commands sent), ``script_loads`` (scripts re-sent after
         ``NOSCRIPT``), ``store_errors`` (store faults, corrupt buckets included),
         ``fallback_decisions`` (answers with ``degraded=True``), ``breaker_openings``
-        (outages) and ``refusal_cache_hits`` (refusals answered without the store)."""
-        stats = self._counters.snapshot()
+        (outages), ``refusal_cache_hits`` (refusals answered without the store) and
+        ``lost_refunds`` (give-backs that could not reach the store: its bucket keeps
+        those tokens spent; never sent again)."""
+        stats = self._counters.snapshot()  # lost_refunds: give-backs the store never got
         breakers = [self._breaker, *list(self._node_breakers.values())]
         stats["breaker_openings"] = sum(breaker.openings for breaker in breakers)
         return cast("RedisLimiterStats", stats)
@@ -515,6 +561,40 @@ class RedisLimiter(Generic[C]):
             args = self._args(mode, cost)
         return Call(mode, key, cost, self._own, [self._keys.bucket(key)], args)
 
+    def _reserve_call(
+        self, key: str, cost: object, max_wait: object, name: str = "max_wait"
+    ) -> Call:
+        """A reservation of one bucket (docs/design.md §4), validated like the core;
+        ``name`` is what the caller calls ``max_wait`` (acquire: ``timeout``)."""
+        if type(cost) is not int or not 0 < cost <= self._capacity:
+            cost = _core.check_cost(cost, self._capacity)
+        wait = check_wait(max_wait, name)
+        bucket = self._keys.bucket(key)
+        args = (cost, RESERVE.value, self._now(), NONE if wait is None else wait)
+        return Call(RESERVE, key, cost, self._own, [bucket], args, max_wait=wait)
+
+    def _charge_call(self, key: str, cost: object) -> Call:
+        """A charge: use that already happened, any cost >= 1, debt allowed."""
+        if type(cost) is not int or not 0 < cost < 2**64:
+            cost = _core.check_cost(cost, 2**64 - 1)
+        bucket = self._keys.bucket(key)
+        args = (self._charged(cost), CHARGE.value, self._now())
+        return Call(CHARGE, key, cost, self._own, [bucket], args)
+
+    def _charged(self, cost: int) -> int:
+        """The cost a charge sends: beyond (1 + MAX_DEBT_CAPACITIES) capacities any
+        charge ends at the debt bound, so the script never multiplies past 2**53."""
+        return min(cost, (1 + MAX_DEBT_CAPACITIES) * self._capacity)
+
+    def _give_back_call(self, key: str, cost: int, line: Line | None, reserved: int) -> Call:
+        """A give-back of ``cost`` by a reservation of ``reserved`` tokens (cancel,
+        settle below its cost), with its line where it waited (docs/design.md §4,
+        "Giving back")."""
+        args: tuple[Any, ...] = (cost, REFUND.value, self._now())
+        if line is not None:
+            args += (*line, reserved)
+        return Call(REFUND, key, cost, self._own, [self._keys.bucket(key)], args)
+
     def _reset_call(self, key: str) -> Call:
         call = Call(RESET, key, 0, self._own, [self._keys.bucket(key)], NO_ARGS)
         call.name, call.argv = "delete", tuple(call.keys)
@@ -548,13 +628,28 @@ class RedisLimiter(Generic[C]):
                 if cached is not None:
                     self._counters.event("refusal_cache_hits")
                     return self._finish(call, cached)
-            else:
+            elif mode is RESERVE:
+                call.started = time.monotonic()
+                if call.max_wait is not None:
+                    cached = refusals.get(call.keys[0], call.cost, call.started)
+                    answer = _cached_reservation(cached, call.max_wait)
+                    if answer is not None:
+                        self._counters.event("refusal_cache_hits")
+                        return self._finish(call, answer)
+            elif mode is not CHARGE:
                 refusals.drop(call.keys[0])  # this process gives tokens back
+        elif mode is REFUND and call.checks is not None:
+            # A reservation over several buckets gives back to each of them.
+            for (limiter, _, _), bucket in zip(call.checks, call.keys, strict=True):
+                if limiter._refusals is not None:
+                    limiter._refusals.drop(bucket)
         breaker = self._breaker_for(call.keys[0]) if self._cluster else self._breaker
         call.breaker = breaker
         if breaker.open:  # else admit() would say STORE
             call.gate = breaker.admit()
             if call.gate is SKIP:
+                if mode is REFUND:
+                    self._lost(call, None)
                 return self._finish(call, self._without_store(call, None))
         call.sent = 1
         return PENDING
@@ -599,7 +694,7 @@ class RedisLimiter(Generic[C]):
             return self._finish(call, None)
         breaker = call.breaker
         assert breaker is not None
-        if mode is REFUND or mode is RESET:
+        if mode is REFUND or mode is RESET or (mode is CHARGE and call.checks is not None):
             breaker.succeeded(call.gate)
             return self._finish(call, None)
         retry_after, remaining, reset_after = reply[0], reply[1], reply[2]
@@ -612,9 +707,26 @@ class RedisLimiter(Generic[C]):
         )
         if call.gate is not STORE or breaker.open:  # else nothing to close
             # Only a write proves a store that said READONLY writable again.
-            breaker.succeeded(call.gate, wrote=mode is ALLOW and answer.allowed)
+            wrote = mode is CHARGE or (answer.allowed and (mode is ALLOW or mode is RESERVE))
+            breaker.succeeded(call.gate, wrote=wrote)
+        if mode is RESERVE:
+            # {retry_after, remaining, reset_after, limit, delay, line per key}
+            delay = reply[4] / 1_000_000 if reply[4] >= 0 else math.inf
+            lines: list[Line | None] = [None] * len(call.keys)
+            for i, line in enumerate(reply[5:]):
+                if line:  # the bucket it waits in (nil, read as None, where it does not)
+                    lines[i] = (line[0], line[1], line[2])
+            refusals = self._refusals
+            if refusals is not None and call.checks is None:
+                if not answer.allowed:
+                    # Remembered as the allow it implies: this cost waits `delay`.
+                    implied = Decision(False, delay, remaining, answer.reset_after, answer.limit)
+                    refusals.put(call.keys[0], call.cost, implied, call.started)
+                elif refusals.entries:
+                    refusals.drop(call.keys[0])
+            return self._finish(call, Reserved(answer, delay, lines))
         refusals = self._refusals
-        if refusals is not None and call.checks is None:
+        if refusals is not None and call.checks is None and mode is not CHARGE:
             if not answer.allowed:
                 refusals.put(call.keys[0], call.cost, answer, call.started)
             elif refusals.entries:
@@ -643,6 +755,8 @@ class RedisLimiter(Generic[C]):
             if converted is not error:
                 converted.__cause__ = error
                 error = converted
+        if call.mode is REFUND:
+            self._lost(call, error)
         try:
             if call.mode is CHECK:
                 self._checked(call, error)
@@ -662,17 +776,40 @@ class RedisLimiter(Generic[C]):
             raise configuration_error(error) from error
         raise error
 
-    def _finish(self, call: Call, answer: Decision | None) -> Decision | None:
-        """Counts a call that ended, once: the commands it sent and, for an allow, its
-        decision (an allow_all's counts for every (limiter, key) it named)."""
-        allowed = None if answer is None or call.mode is not ALLOW else answer.allowed
+    def _finish(self, call: Call, answer: Decision | Reserved | None) -> Decision | Reserved | None:
+        """Counts a call that ended, once: the commands it sent and, for an allow or a
+        reservation, its decision (an allow_all's counts for every (limiter, key) it
+        named)."""
+        mode = call.mode
+        allowed = None
+        if answer is not None:
+            if mode is ALLOW:
+                allowed = cast("Decision", answer).allowed
+            elif mode is RESERVE:
+                allowed = cast("Reserved", answer).decision.allowed
         self._counters.add(call.sent, allowed)
         if call.checks is not None and allowed is not None:
-            for limiter, _ in call.checks[1:]:
+            for limiter, _, _ in call.checks[1:]:
                 limiter._counters.add(0, allowed)
         return answer
 
-    def _failed(self, call: Call, error: BaseException) -> Decision | None:
+    def _lost(self, call: Call, error: BaseException | None) -> None:
+        """A give-back that cannot reach the store: counted and logged, never sent
+        again (it may have run; a resend could give back twice). The store keeps the
+        tokens spent: never more than the limit."""
+        checks = call.checks or [(self, call.key, call.cost)]
+        for limiter, key, cost in checks:
+            limiter._counters.event("lost_refunds")
+            logger.warning(
+                "%s: a give-back of %d tokens to key %r did not reach the store (%s); "
+                "its bucket keeps them spent",
+                limiter._name,
+                cost,
+                key,
+                "the store is skipped" if error is None else f"{type(error).__name__}: {error}",
+            )
+
+    def _failed(self, call: Call, error: BaseException) -> Decision | Reserved | None:
         """Answers a call whose command failed, or raises."""
         kind = classify(error)
         breaker = call.breaker
@@ -696,104 +833,358 @@ class RedisLimiter(Generic[C]):
             if call.mode is REFUND or call.mode is RESET:
                 return None
             self._counters.event("fallback_decisions")
-            return self._fallback.refusal()
+            refusal = self._fallback.refusal()
+            if call.mode is RESERVE:
+                return Reserved(refusal, refusal.retry_after, [None] * len(call.keys))
+            return refusal
         breaker.release(call.gate)
         if kind == CONFIG:
             raise configuration_error(error) from error
         raise error
 
     def _raises(self, call: Call) -> bool:
-        limiters = [self] if call.checks is None else [limiter for limiter, _ in call.checks]
+        limiters = [self] if call.checks is None else [limiter for limiter, _, _ in call.checks]
         return any(limiter._policy == RAISE for limiter in limiters)
 
-    def _without_store(self, call: Call, error: BaseException | None) -> Decision | None:
+    def _without_store(self, call: Call, error: BaseException | None) -> Decision | Reserved | None:
         """The policy's answer; ``error`` is None when the breaker skipped the store."""
         if self._raises(call):
             if error is not None:
                 raise error
             assert call.breaker is not None
             raise StoreUnavailableError(call.breaker.describe())
-        if call.mode is REFUND:
+        mode = call.mode
+        if mode is REFUND:
             # Lost for the store, which keeps the charge: never more than the limit.
-            self._fallback.refund(call.key, call.cost)
+            for limiter, key, cost in call.checks or [(self, call.key, call.cost)]:
+                limiter._fallback.refund(key, cost)
             return None
-        if call.mode is RESET:
+        if mode is RESET or (mode is CHARGE and call.checks is not None):
             return None  # lost for the store; the local bucket is full already
         self._counters.event("fallback_decisions")
+        if mode is RESERVE:
+            return _fallback_reserve(self, call)
+        if mode is CHARGE:
+            return self._fallback.charge(call.key, call.cost)
         if call.checks is not None:
-            return _fallback_all(call.checks, call.cost)
-        return self._fallback.decide(call.key, call.cost, peek=call.mode is PEEK)
+            return _fallback_all(call.checks)
+        return self._fallback.decide(call.key, call.cost, peek=mode is PEEK)
 
 
-def allow_all_call(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[Any], Call]:
-    """The limiter to drive it with, and the call of one ``allow_all`` script (the
-    general form of bucket.lua: cost, mode, then now and the configuration of each
-    bucket), sent through the first limiter: its breaker, its policy for the store's
-    faults.
+def check_wait(value: object, name: str) -> int | None:
+    """A ``max_wait`` / ``timeout`` in whole µs by the clock's rounding, as the core
+    reads it: ``None`` (or ``inf``, or beyond the clock's range) for no limit, else
+    seconds >= 0 as an int or float."""
+    if value is None:
+        return None
+    if isinstance(value, float):
+        if math.isnan(value) or value < 0:
+            raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+        if math.isinf(value):
+            return None
+    elif isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, float or None, got bool")
+    else:
+        try:
+            whole = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                f"{name} must be an int, float or None, got {type(value).__name__}"
+            ) from None
+        if whole < 0:
+            raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+        value = whole
+    try:
+        micros = _core.clock_to_micros(value)
+    except (ValueError, OverflowError):
+        return None  # beyond the clock's range: as good as no limit
+    return micros if micros < LUA_EXACT else None
 
-    Everything is checked here, before anything is sent: pairs, duplicates, one
-    client, costs, keys and (on a cluster) one hash slot.
+
+def _cached_reservation(cached: Decision | None, max_wait: int) -> Reserved | None:
+    """A reservation refused from the refusal cache: ``cached`` says this cost waits
+    at least ``retry_after``; past ``max_wait`` (µs) the store would refuse too."""
+    if cached is None:
+        return None
+    if math.isinf(cached.retry_after):
+        return Reserved(cached, math.inf, [None])
+    wait = round(cached.retry_after * 1_000_000)
+    if wait <= max_wait:
+        return None  # it might be granted: only the store knows
+    refusal = Decision(
+        False, (wait - max_wait) / 1_000_000, cached.remaining, cached.reset_after, cached.limit
+    )
+    return Reserved(refusal, wait / 1_000_000, [None])
+
+
+#: One check of a call over several buckets: (limiter, key, cost), and the line of a
+#: give-back.
+Part = tuple["RedisLimiter[Any]", str, int]
+
+
+def all_call(
+    checks: Iterable[Any],
+    cost: object,
+    mode: Mode = ALLOW,
+    max_wait: object = None,
+    *,
+    what: str = "allow_all",
+    name: str = "max_wait",
+) -> tuple[RedisLimiter[Any], Call]:
+    """The limiter to drive it with, and the call of one ``allow_all`` or
+    ``reserve_all`` script (the general form of bucket.lua: per bucket now, its
+    configuration, its cost and max_wait), sent through the first limiter: its
+    breaker, its policy for the store's faults.
+
+    Everything is checked here, before anything is sent: pairs or triples,
+    duplicates, one client, costs, keys and (on a cluster) one hash slot.
     """
     checks = list(checks)
-    limiters: list[RedisLimiter[Any]] = []
-    keys: list[bytes] = []
-    args: list[Any] = [0, ALLOW.value]
+    wait = check_wait(max_wait, name) if mode is RESERVE else None
+    parts: list[Part] = []
     seen: set[tuple[int, str]] = set()
     for item in checks:
-        try:
-            limiter, key = item
-        except (TypeError, ValueError):
+        if not isinstance(item, tuple) or len(item) not in (2, 3):
             raise TypeError(
-                f"allow_all takes a sequence of (limiter, key) pairs, got {type(item).__name__}"
-            ) from None
+                f"{what} takes a sequence of (limiter, key) pairs or (limiter, key, cost) "
+                f"triples, got {type(item).__name__}"
+            )
+        limiter, key = item[0], item[1]
+        own_cost = item[2] if len(item) == 3 else cost
         if not isinstance(limiter, RedisLimiter):
-            raise TypeError(f"allow_all got {type(limiter).__name__} among Redis limiters")
-        if limiters and limiter._same_client() is not limiters[0]._same_client():
+            raise TypeError(f"{what} got {type(limiter).__name__} among Redis limiters")
+        if parts and limiter._same_client() is not parts[0][0]._same_client():
             raise ValueError(
-                "allow_all runs one script on one client: every Redis limiter in it "
+                f"{what} runs one script on one client: every Redis limiter in it "
                 "must share the same client object"
             )
         if not isinstance(key, str):
             raise TypeError(f"key must be a str, got {type(key).__name__}")
         if (id(limiter), key) in seen:
-            raise ValueError(f"allow_all got the same (limiter, key) twice: key {key!r}")
+            raise ValueError(f"{what} got the same (limiter, key) twice: key {key!r}")
         seen.add((id(limiter), key))
-        checked = _core.check_cost(cost, limiter.capacity)
+        parts.append((limiter, key, _core.check_cost(own_cost, limiter.capacity)))
+    if not parts:
+        raise ValueError(f"{what} needs at least one (limiter, key)")
+    x = NONE if wait is None else wait
+    return parts_call(mode, parts, [(x, NONE, NONE, NONE)] * len(parts), max_wait=wait)
+
+
+def parts_call(
+    mode: Mode,
+    parts: Sequence[Part],
+    extra: Sequence[tuple[Any, Any, Any, Any]],
+    *,
+    max_wait: int | None = None,
+) -> tuple[RedisLimiter[Any], Call]:
+    """One general-form script over ``parts`` (checked already): ``extra`` is each
+    bucket's 4 more values (bucket.lua: a reservation's max_wait, a give-back's
+    line and the reservation's cost)."""
+    keys: list[bytes] = []
+    args: list[Any] = [NONE, mode.value]
+    for (limiter, key, cost), more in zip(parts, extra, strict=True):
         bucket = limiter._keys.bucket(key)
         if bucket in keys:
             # Two limiters with one prefix: the script would read the bucket twice
             # and charge it once.
             raise ValueError(
-                f"allow_all names the Redis key {bucket!r} twice: limiters sharing a "
+                f"the call names the Redis key {bucket!r} twice: limiters sharing a "
                 "client need different prefixes"
             )
-        limiters.append(limiter)
         keys.append(bucket)
-        args += [limiter._now(), *limiter._config_args]
-        args[0] = checked
-    if not limiters:
-        raise ValueError("allow_all needs at least one (limiter, key)")
-    first = limiters[0]
+        sent = limiter._charged(cost) if mode is CHARGE else cost
+        args += [limiter._now(), *limiter._config_args, sent, *more]
+    first = parts[0][0]
     if first._cluster:
         check_one_slot(keys)
-    return first, Call(ALLOW, "", args[0], first._script, keys, args, checks=checks)
+    smallest = min(cost for _, _, cost in parts)
+    call = Call(mode, "", smallest, first._script, keys, args, checks=parts, max_wait=max_wait)
+    return first, call
 
 
-def _fallback_all(checks: Sequence[tuple[RedisLimiter[Any], str]], cost: int) -> Decision:
+def allow_all_call(checks: Iterable[Any], cost: object) -> tuple[RedisLimiter[Any], Call]:
+    """:func:`all_call` for ``allow_all``."""
+    return all_call(checks, cost)
+
+
+def _fallback_all(checks: Sequence[Part]) -> Decision:
     """``allow_all`` without the store: each limiter's policy, combined as allow_all is.
 
     Any ``"closed"`` limiter refuses the whole call; ``"open"`` ones allow their
-    part; the ``"local"`` ones decide together in process, all or nothing, charged
-    at most the smallest of their shares (one cost for all, as in ``allow_all``).
+    part; the ``"local"`` ones decide together in process, all or nothing: one cost
+    for all (pairs) is charged at most the smallest of their shares, as in
+    ``allow_all``; checks with costs of their own are each charged at most its
+    limiter's share.
     """
-    for limiter, _ in checks:
+    for limiter, _, _ in checks:
         if limiter._policy == CLOSED:
             return limiter._fallback.refusal()
     local = []
-    for limiter, key in checks:
+    for limiter, key, cost in checks:
         if limiter._fallback.local is not None:
-            local.append((limiter._fallback.local, key))
+            local.append((limiter._fallback.local, key, min(cost, limiter._fallback.share)))
     if not local:
-        return checks[0][0]._fallback.decide("", cost, peek=False)  # all "open"
-    shares = [limiter._fallback.share for limiter, _ in checks if limiter._policy == LOCAL]
-    return _core.allow_all(local, min(cost, *shares))  # local limiters answer degraded
+        return checks[0][0]._fallback.decide("", 1, peek=False)  # all "open"
+    costs = {cost for _, _, cost in checks}
+    if len(costs) == 1:
+        shares = [limiter._fallback.share for limiter, _, _ in checks if limiter._policy == LOCAL]
+        one = min(costs.pop(), *shares)
+        local = [(fallback, key, one) for fallback, key, _ in local]
+    return _core.allow_all(local)  # local limiters answer degraded
+
+
+def _fallback_reserve(limiter: RedisLimiter[Any], call: Call) -> Reserved:
+    """A reservation without the store: ``"closed"`` refuses, ``"open"`` grants at
+    once, ``"local"`` reserves from this process's share (in process, degraded;
+    its cancel and settle act there)."""
+    checks = call.checks or [(limiter, call.key, call.cost)]
+    lines: list[Line | None] = [None] * len(checks)
+    for limiter, _, _ in checks:
+        if limiter._policy == CLOSED:
+            refusal = limiter._fallback.refusal()
+            return Reserved(refusal, refusal.retry_after, lines)
+    local = []
+    for limiter, key, cost in checks:
+        if limiter._fallback.local is not None:
+            local.append((limiter._fallback.local, key, min(cost, limiter._fallback.share)))
+    if not local:
+        return Reserved(checks[0][0]._fallback.decide("", 1, peek=False), 0.0, lines)
+    max_wait = None if call.max_wait is None else call.max_wait / 1_000_000
+    reservation = _core.reserve_all(local, max_wait=max_wait)
+    return Reserved(reservation.decision, reservation.delay, lines, local=reservation)
+
+
+class ReservationState:
+    """A reservation over Redis, apart from I/O: its buckets, its answer, and the
+    calls its ``cancel`` and ``settle`` send (``bucketlimit.redis`` drives them, with
+    a blocking call or with ``await``). Each acts once; on a refusal neither does
+    anything; on a reservation made in process under ``on_store_error="local"``
+    they act there."""
+
+    __slots__ = ("_decision", "_delay", "_lines", "_local", "_lock", "_parts", "_settled")
+
+    def __init__(self, parts: Sequence[Part], reserved: Reserved) -> None:
+        self._parts = list(parts)
+        self._decision = reserved.decision
+        self._delay = reserved.delay
+        self._lines = reserved.lines
+        self._local = reserved.local
+        self._lock = threading.Lock()
+        self._settled = not reserved.decision.allowed
+
+    @property
+    def delay(self) -> float:
+        """Seconds until the tokens are yours (0.0: now); for a refusal, the wait it
+        would have needed (``math.inf`` when never)."""
+        return self._delay
+
+    @property
+    def cost(self) -> int:
+        """The tokens reserved (of the first bucket, for ``reserve_all``)."""
+        return self._parts[0][2]
+
+    @property
+    def key(self) -> str:
+        """The key (of the first bucket, for ``reserve_all``)."""
+        return self._parts[0][1]
+
+    @property
+    def checks(self) -> tuple[tuple[Any, str, int], ...]:
+        """Every bucket of the reservation: ``(limiter, key, cost)``."""
+        return tuple(self._parts)
+
+    @property
+    def decision(self) -> Decision:
+        """The ``Decision`` to report: allowed, or refused with ``retry_after``."""
+        return self._decision
+
+    def __bool__(self) -> bool:
+        return self._decision.allowed
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(key={self.key!r}, cost={self.cost}, delay={self._delay!r}, "
+            f"granted={self._decision.allowed}, buckets={len(self._parts)})"
+        )
+
+    def _take(self) -> bool:
+        """True the first time (the call that acts); False once cancelled or settled."""
+        with self._lock:
+            if self._settled:
+                return False
+            self._settled = True
+            return True
+
+    def _cancel_calls(self) -> list[tuple[RedisLimiter[Any], Call]]:
+        """The calls of ``cancel()``: every token back; none a second time."""
+        if not self._take():
+            return []
+        if self._local is not None:
+            self._local.cancel()
+            return []
+        return self._give_backs([(i, part[2]) for i, part in enumerate(self._parts)])
+
+    def _settle_calls(self, used: object) -> list[tuple[RedisLimiter[Any], Call]]:
+        """The calls of ``settle(used)``: ``cost - used`` back where less was used,
+        ``used - cost`` charged where more; ``used`` is checked first."""
+        each = _used_per_part(used, len(self._parts))
+        if not self._take():
+            return []
+        if self._local is not None:
+            self._local.settle(
+                [
+                    min(u, limiter._fallback.share)
+                    for (limiter, _, _), u in zip(self._parts, each, strict=True)
+                ]
+            )
+            return []
+        backs = [(i, self._parts[i][2] - u) for i, u in enumerate(each) if u < self._parts[i][2]]
+        charges = [
+            (limiter, key, u - cost)
+            for (limiter, key, cost), u in zip(self._parts, each, strict=True)
+            if u > cost
+        ]
+        calls = self._give_backs(backs)
+        if len(charges) == 1:
+            limiter, key, cost = charges[0]
+            calls.append((limiter, limiter._charge_call(key, cost)))
+        elif charges:
+            calls.append(parts_call(CHARGE, charges, [(NONE,) * 4] * len(charges)))
+        return calls
+
+    def _give_backs(self, backs: list[tuple[int, int]]) -> list[tuple[RedisLimiter[Any], Call]]:
+        """One call giving ``cost`` back to each bucket ``i`` of ``backs``, with the
+        reservation's line there."""
+        if not backs:
+            return []
+        if len(backs) == 1:
+            i, cost = backs[0]
+            limiter, key, reserved = self._parts[i]
+            return [(limiter, limiter._give_back_call(key, cost, self._lines[i], reserved))]
+        parts = [(self._parts[i][0], self._parts[i][1], cost) for i, cost in backs]
+        extra: list[tuple[Any, Any, Any, Any]] = []
+        for i, _ in backs:
+            line = self._lines[i]
+            extra.append((NONE,) * 4 if line is None else (*line, self._parts[i][2]))
+        return [parts_call(REFUND, parts, extra)]
+
+
+def _used_per_part(used: object, parts: int) -> list[int]:
+    """``settle``'s ``used``: one int for every bucket, or a sequence of one per bucket."""
+
+    def one(value: object) -> int:
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise TypeError(f"used must be an int, got {type(value).__name__}")
+        n = operator.index(value)  # type: ignore[arg-type]
+        if n < 0:
+            raise ValueError(f"used must be >= 0, got {n}")
+        return n
+
+    if isinstance(used, (tuple, list)):
+        values = [one(v) for v in used]
+        if len(values) != parts:
+            raise ValueError(
+                f"settle got {len(values)} used values for a reservation of {parts} buckets"
+            )
+        return values
+    return [one(used)] * parts

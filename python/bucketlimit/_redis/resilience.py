@@ -413,6 +413,14 @@ class Fallback:
         charged = min(cost, self.share)
         return self.local.peek(key, charged) if peek else self.local.allow(key, charged)
 
+    def charge(self, key: str, cost: int) -> Decision:
+        """A charge without the store: recorded in this process's share under
+        ``"local"`` (debt allowed there too); ``open`` and ``closed`` answer as for
+        an allow and record nothing."""
+        if self.local is None:
+            return self._open if self.policy == OPEN else self._closed
+        return self.local.charge(key, cost)
+
     def refund(self, key: str, cost: int) -> None:
         if self.local is not None:
             self.local.refund(key, min(cost, self.share))

@@ -29,14 +29,27 @@ class Mode(enum.Enum):
 
     ALLOW = b"a"
     PEEK = b"p"
-    REFUND = b"r"
+    REFUND = b"r"  # any give-back: refund, a reservation's cancel, settle below its cost
+    RESERVE = b"v"
+    CHARGE = b"c"
     RESET = b"d"  # not a script mode: a reset deletes the bucket's key
-    CHECK = b"c"  # not a script mode: check() runs the script as a peek, then INFO
+    CHECK = b"check"  # not a script mode: check() runs the script as a peek, then INFO
 
 
 # The members as module constants: reading one through its class costs about
 # 80 ns on CPython 3.11, and every call compares its mode several times.
 ALLOW, PEEK, REFUND, RESET, CHECK = Mode.ALLOW, Mode.PEEK, Mode.REFUND, Mode.RESET, Mode.CHECK
+RESERVE, CHARGE = Mode.RESERVE, Mode.CHARGE
+
+#: The values the general form takes per key (bucket.lua): now, capacity, unit, p,
+#: cost, then 4 more (a reservation's max_wait; a give-back's line and cost).
+PER_KEY: Final = 9
+
+#: Where the own form reads its 4 more (bucket.lua's config line: ``x = 4``).
+OWN_X: Final = 4
+
+#: The value that says "none": no max_wait, no line.
+NONE: Final = b""
 
 
 class Script:
@@ -55,15 +68,27 @@ BUCKET_SCRIPT: Final = Script(
 )
 
 # The one line of bucket.lua that reads a bucket's configuration from ARGV.
-_CONFIG_LINE: Final = re.compile(r"^(\s*local capacity, unit, p = ).*-- config$", re.MULTILINE)
+_CONFIG_LINE: Final = re.compile(r"^(\s*local ([\w, ]+) = ).*-- config$", re.MULTILINE)
 
 
 def specialize(template: str, capacity: int, unit: int, p: int) -> str:
     """A limiter's own form of the script: ``template`` (bucket.lua) with the limiter's
-    configuration written into the line marked ``config``, so that a call sends one key
-    and at most three arguments. Comment lines are dropped: Redis keeps one copy of each
+    configuration written into the line marked ``config`` (its names: capacity, unit
+    and p get the numbers, cost the script's ARGV[1], x where the 4 more start after
+    now), so that a call sends one key and at most seven arguments. A template whose
+    line names only capacity, unit and p (an older bucket.lua, a study's variant)
+    gets just those. Comment lines are dropped: Redis keeps one copy of each
     distinct script for as long as it runs."""
-    source, found = _CONFIG_LINE.subn(rf"\g<1>{capacity}, {unit}, {p}", template)
+    own = {"capacity": str(capacity), "unit": str(unit), "p": str(p), "cost": "cost"}
+    own["x"] = str(OWN_X)
+
+    def written(match: re.Match[str]) -> str:
+        names = [name.strip() for name in match.group(2).split(",")]
+        if not set(names) <= own.keys():
+            raise RuntimeError(f"bucket.lua's config line names {names}")
+        return match.group(1) + ", ".join(own[name] for name in names)
+
+    source, found = _CONFIG_LINE.subn(written, template)
     if found != 1:
         raise RuntimeError("bucket.lua has no line ending in '-- config'")
     lines = [line for line in source.splitlines() if line.strip() and not _is_comment(line)]

@@ -54,6 +54,17 @@ class Limiter(Protocol):
 AnyLimiter = SyncLimiter | AsyncLimiter | Limiter
 
 
+@runtime_checkable
+class Waited(Protocol):
+    """The reservation a limiter's ``_acquire_reservation`` answers (the in-process
+    one's, or a Redis one's): a request that waited settles through it, so that a
+    give-back keeps its place in the queue (docs/design.md §4, "Giving back")."""
+
+    @property
+    def decision(self) -> Decision: ...
+    def settle(self, used: int) -> Awaitable[None] | None: ...
+
+
 def is_async_limiter(limiter: object) -> bool:
     """True when ``limiter.allow`` is a coroutine function (the asyncio Redis limiter)."""
     return inspect.iscoroutinefunction(getattr(limiter, "allow", None))

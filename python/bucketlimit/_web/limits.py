@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, ca
 
 from bucketlimit import _errors
 from bucketlimit._core import Decision
-from bucketlimit._core import Reservation as CoreReservation
 from bucketlimit._web.fields import (
     Applied,
     Refusal,
@@ -28,7 +27,7 @@ from bucketlimit._web.fields import (
     retry_after_seconds,
     window_seconds,
 )
-from bucketlimit._web.limiters import AnyLimiter
+from bucketlimit._web.limiters import AnyLimiter, Waited
 from bucketlimit._web.reservations import AsyncReservation, Reservation
 
 logger = logging.getLogger("bucketlimit")
@@ -324,14 +323,14 @@ class LimitSettings(Generic[R]):
         key = self.checked_key((yield self.key, (request,)), where)
         cost = (yield self.cost, (request,)) if callable(self.cost) else self.cost
         limiter, name = cast(AnyLimiter, self._limiter), self.name
-        core: CoreReservation | None = None
+        core: Waited | None = None
         if self._plan:  # a plan function: this request's limiter
             limiter, name = self.chosen((yield cast(Step, (self._limiter, (request,)))))
         if self.can_never_pass(cost, limiter):
             decision = self.never((yield limiter.peek, (key, limiter.capacity)))
         elif self.max_wait:  # wait for the tokens, or be refused at once (nothing spent)
             waited = yield self.waiting(limiter), (key, cost)
-            if isinstance(waited, CoreReservation):
+            if not isinstance(waited, Decision):  # a reservation, to settle through
                 core, decision = waited, waited.decision
             else:
                 decision = waited

@@ -7,8 +7,7 @@ import threading
 from typing import Any, Generic, TypeVar
 
 from bucketlimit._core import Decision
-from bucketlimit._core import Reservation as CoreReservation
-from bucketlimit._web.limiters import AnyLimiter, SyncLimiter
+from bucketlimit._web.limiters import AnyLimiter, SyncLimiter, Waited
 
 
 def _check_used(used: int) -> int:
@@ -41,9 +40,9 @@ class _ReservationBase(Generic[L]):
         # The in-process limiter's reservation when the request waited for its
         # tokens: settled through it, a give-back keeps its place in the queue
         # (docs/design.md §4, "Giving back"); else refund / charge on the limiter.
-        self._core: CoreReservation | None = None
+        self._core: Waited | None = None
 
-    def _settle_through(self, core: CoreReservation) -> None:
+    def _settle_through(self, core: Waited) -> None:
         self._core = core
 
     @property
@@ -81,7 +80,7 @@ class Reservation(_ReservationBase[SyncLimiter]):
     (``limiter.charge``: the use happened, so the bucket may go into debt and
     later callers wait for it); later calls do nothing and return 0, so it is safe
     in a ``finally`` or a callback that may run twice. A limiter without
-    ``charge`` (the Redis ones, for now) keeps the reservation's charge. A refused
+    ``charge`` (one of your own) keeps the reservation's charge. A refused
     or exempt reservation holds nothing to give back and is charged nothing.
     """
 
@@ -121,7 +120,7 @@ class AsyncReservation(_ReservationBase[AnyLimiter]):
         limiter: Any = self._limiter
         result: Any = None
         if difference and self._core is not None:
-            self._core.settle(used)
+            result = self._core.settle(used)  # awaited for an asyncio Redis limiter
         elif difference > 0:
             result = limiter.refund(self.key, difference)
         elif difference < 0 and callable(getattr(limiter, "charge", None)):
