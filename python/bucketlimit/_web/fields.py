@@ -76,6 +76,11 @@ def effective_window(decision: Decision, rate: float) -> int | None:
     1: a client that waits ``t`` has the next token. A refusal's ``t`` is never
     after its ``Retry-After`` (the draft asks that Retry-After not point before the
     end of ``t``). ``None`` (``t`` omitted) when the bucket never refills.
+
+    ``reset_after`` is rounded up to the microsecond, so the difference can exceed
+    the exact window by up to 1 µs: when the next token comes less than 1 µs after
+    a whole second (or exactly on it), ``t`` may be that second plus one. It is
+    never short: waiting ``t`` always finds the next token.
     """
     if rate <= 0 or math.isinf(decision.reset_after):
         return None
