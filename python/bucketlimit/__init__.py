@@ -88,14 +88,9 @@ def allow_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1) -> Any:
     sharing one client run as one script (``bucketlimit.redis``); for asyncio
     Redis limiters the result is a coroutine to await. The kinds cannot be mixed.
     """
-    # A Redis limiter exists only once bucketlimit.redis was imported: no import
-    # (and no redis dependency) here otherwise.
-    redis = sys.modules.get("bucketlimit.redis")
-    if redis is not None:
-        checks = list(checks)
-        routed = redis._route_allow_all(checks, cost)
-        if routed is not None:
-            return routed
+    checks, routed = _via_redis("allow_all", checks, cost, None)
+    if routed is not None:
+        return routed
     return _core.allow_all(checks, cost)
 
 
@@ -115,12 +110,9 @@ def reserve_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, max_wait: A
     """Reserves each check's cost from every bucket at the same moment, all or
     nothing; the delay is the longest. Redis limiters sharing one client run as
     one script (``bucketlimit.redis.reserve_all``; a coroutine for asyncio ones)."""
-    redis = sys.modules.get("bucketlimit.redis")
-    if redis is not None:
-        checks = list(checks)
-        routed = redis._route_all("reserve_all", checks, cost, max_wait)
-        if routed is not None:
-            return routed
+    checks, routed = _via_redis("reserve_all", checks, cost, max_wait)
+    if routed is not None:
+        return routed
     return _core.reserve_all(checks, cost, max_wait=max_wait)
 
 
@@ -134,12 +126,9 @@ def acquire_all(
 ) -> Decision: ...
 def acquire_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, timeout: Any = None) -> Any:
     """``reserve_all``, then blocks for its delay; refused at once beyond ``timeout``."""
-    redis = sys.modules.get("bucketlimit.redis")
-    if redis is not None:
-        checks = list(checks)
-        routed = redis._route_all("acquire_all", checks, cost, timeout)
-        if routed is not None:
-            return routed
+    checks, routed = _via_redis("acquire_all", checks, cost, timeout)
+    if routed is not None:
+        return routed
     return _core.acquire_all(checks, cost, timeout=timeout)
 
 
@@ -155,10 +144,23 @@ def acquire_all_async(
     checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, timeout: Any = None
 ) -> Any:
     """``acquire_all`` for asyncio (a coroutine); a cancelled waiter gives its tokens back."""
-    redis = sys.modules.get("bucketlimit.redis")
-    if redis is not None:
-        checks = list(checks)
-        routed = redis._route_all("acquire_all_async", checks, cost, timeout)
-        if routed is not None:
-            return routed
+    checks, routed = _via_redis("acquire_all_async", checks, cost, timeout)
+    if routed is not None:
+        return routed
     return _core.acquire_all_async(checks, cost, timeout=timeout)
+
+
+def _via_redis(
+    what: str, checks: Iterable[tuple[Any, ...]], cost: Any, wait: Any
+) -> tuple[Iterable[tuple[Any, ...]], Any]:
+    """``what`` over Redis limiters: the checks (as a list once read) and
+    ``bucketlimit.redis``'s answer (a coroutine for asyncio ones), or ``None`` when
+    no Redis limiter is named. A Redis limiter exists only once bucketlimit.redis
+    was imported: no import (and no redis dependency) here otherwise."""
+    redis = sys.modules.get("bucketlimit.redis")
+    if redis is None:
+        return checks, None
+    checks = list(checks)
+    if what == "allow_all":
+        return checks, redis._route_allow_all(checks, cost)
+    return checks, redis._route_all(what, checks, cost, wait)

@@ -97,6 +97,15 @@ METRICS: tuple[Metric, ...] = (
         "{decision}",
     ),
     Metric(
+        "lost_refunds",
+        "counter",
+        "Give-backs (cancel, settle, refund) that could not reach the store: their "
+        "tokens stay spent",
+        "lost_refunds",
+        {},
+        "{refund}",
+    ),
+    Metric(
         "breaker_openings",
         "counter",
         "Store outages: times the circuit breaker opened",

@@ -50,12 +50,8 @@ from bucketlimit._redis.limiter import (
     allow_all_call,
 )
 from bucketlimit._redis.resilience import Policy
-from bucketlimit._redis.script import ALLOW, BUCKET_SCRIPT, PEEK, REFUND, RESERVE, specialize
+from bucketlimit._redis.script import ALLOW, PEEK, REFUND, RESERVE
 from bucketlimit._redis.script import Script as _Script
-
-# For benches/redis_bench.py: the script as written, and a limiter's own form of it.
-_BUCKET_SCRIPT = BUCKET_SCRIPT
-_specialize = specialize
 
 logger = logging.getLogger("bucketlimit")
 

@@ -78,6 +78,7 @@ def test_redis_metrics_match_stats_with_one_store_up_and_one_down(
             ("script_loads", stats["script_loads"]),
             ("breaker_openings", stats["breaker_openings"]),
             ("refusal_cache_hits", stats["refusal_cache_hits"]),
+            ("lost_refunds", stats["lost_refunds"]),
         ):
             assert value(f"bucketlimit_{name}_total", policy=policy) == count
         # A Redis limiter holds its buckets in the store: no keys gauge.
@@ -94,3 +95,8 @@ def test_redis_metrics_match_stats_with_one_store_up_and_one_down(
     assert down.stats()["store_errors"] >= 1
     assert value("bucketlimit_breaker_openings_total", policy="down") == 1
     assert value("bucketlimit_breaker_open", policy="down") == 1
+    # Reserved from this process's share while the store is down, a cancel gives
+    # back to that share: no refund is lost (tests/redis/test_redis_reservations.py
+    # counts those that are).
+    down.reserve("user-0").cancel()
+    assert value("bucketlimit_lost_refunds_total", policy="down") == 0
