@@ -31,9 +31,10 @@ class Quota:
     per: int
 
 
-# Every call is allowed: a burst far larger than any run spends. (Small
-# enough for bucketlimit's Redis script: capacity * 10**6 units < 2**53.)
-ALLOWED = Quota(capacity=10**9, rate=1, per=1)
+# Every call is allowed: a burst larger than any run spends between refills, a
+# billion tokens a second. (Within bucketlimit's Redis range: 10**6 units per
+# token, so (1 + 1000 capacities of debt) * capacity * 10**6 + p < 2**53.)
+ALLOWED = Quota(capacity=8 * 10**6, rate=10**9, per=1)
 # Ten tokens, then one an hour: after a drain, every call is refused.
 REFUSED = Quota(capacity=10, rate=1, per=3600)
 
