@@ -175,7 +175,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         started = self._start(call)
         if started is not PENDING:
             return cast("Decision", started)
-        waiter = self._join(call, threading.Event())
+        waiter = self._join(call, threading.Event)
         if waiter is None:
             try:
                 answer = self._send(call)
@@ -393,15 +393,14 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         if started is not PENDING:
             await asyncio.sleep(0)
             return cast("Decision", started)
-        wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiter = self._join(call, wake)
+        waiter = self._join(call, asyncio.get_running_loop().create_future)
         if waiter is None:
             try:
                 answer = await self._send(call)
             finally:
                 self._next_flight()
             return answer
-        await wake  # cancelled before it is sent: _fly drops it
+        await waiter.wake  # cancelled before it is sent: _fly drops it
         return cast("Decision", waiter.result())
 
     def _next_flight(self) -> None:

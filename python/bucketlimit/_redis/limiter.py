@@ -953,14 +953,15 @@ class RedisLimiter(Generic[C]):
             calls.append(self._call(ALLOW, key, cost))
         return calls
 
-    def _join(self, call: Call, wake: Any) -> Waiter | None:
+    def _join(self, call: Call, wake: Callable[[], Any]) -> Waiter | None:
         """None: nothing is in flight, send the call now (and call _landed after);
-        else the call waits for the next round trip (``wake`` is set then)."""
+        else the call waits for the next round trip (on ``wake()``: the driver's
+        event or future, made only for a call that waits)."""
         with self._queue_lock:
             if not self._flying:
                 self._flying = True
                 return None
-            waiter = Waiter(call, wake)
+            waiter = Waiter(call, wake())
             self._queue.append(waiter)
             return waiter
 
