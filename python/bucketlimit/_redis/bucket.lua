@@ -118,7 +118,7 @@ if mode == 'm' or (n == 1 and (mode == 'a' or mode == 'p')) then
   -- A batch goes on past a key of the wrong type: that allow alone would fail.
   local get = batch and redis.pcall or redis.call
   local full = capacity * unit
-  local reply = {}
+  local reply = batch and {} or nil -- one allow answers with its own table
   for i = 1, n do
     if batch then
       local c = ARGV[3 + i]
