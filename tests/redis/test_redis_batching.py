@@ -470,3 +470,35 @@ def test_a_batch_over_several_slots_is_split_one_script_per_slot(
 
     # Empty now but for user-5 .. user-11 (one token each): allowed once, in order.
     assert asyncio.run(main()) == [False] * 5 + [True] * 7 + [False] * 28
+
+
+def test_an_allow_cancelled_while_it_waits_is_left_out_of_the_batch(
+    redis_server_factory: ServerFactory,
+) -> None:
+    server = redis_server_factory.start()
+    admin = server.client()
+    with TcpProxy(server.port) as proxy:
+
+        async def main() -> tuple[list[object], RedisLimiterStats]:
+            limiter = AsyncRedisTokenBucketLimiter.from_url(
+                url_of(proxy.port), 10, 0, timeout=5, on_store_error="raise"
+            )
+            try:
+                assert (await limiter.allow("k")).allowed  # the script is loaded
+                proxy.latency = 0.2  # the lone call is surely on its way meanwhile
+                tasks = [asyncio.ensure_future(limiter.allow("k")) for _ in range(4)]
+                await asyncio.sleep(0)  # each has started: one sent, three waiting
+                assert len(limiter._queue) == 3  # (the waiting line itself)
+                tasks[2].cancel()
+                answers = await asyncio.gather(*tasks, return_exceptions=True)
+                return list(answers), limiter.stats()
+            finally:
+                await limiter.client.aclose()
+
+        answers, stats = asyncio.run(main())
+    assert isinstance(answers[2], asyncio.CancelledError)
+    assert [a.allowed for a in answers if isinstance(a, Decision)] == [True, True, True]
+    assert stats["allowed"] == 4
+    # 1 + 3 spent at the server: the cancelled one never reached it.
+    assert int(admin.get(bucket("k")).split()[0]) == 6 * 10**6  # type: ignore[union-attr]
+    admin.close()
