@@ -16,7 +16,7 @@ when the crate builds here (benches/server_stats.py), and measures, in one run:
    moving window), throttled-py (token bucket, GCRA, fixed and sliding window,
    leaking bucket), pyrate-limiter (token bucket, RedisStateStore), redis-cell
    and a trivial ``EVALSHA`` (``return 1``). Mostly allowed: 1,000 keys round
-   robin, a burst of 10^9; refused: one drained key of 10 per hour.
+   robin, a burst of 10^6; refused: one drained key of 10 per hour.
 2. ``client``: microseconds per ``allow()`` on one connection next to a raw
    trivial ``EVALSHA`` through the same redis-py client (client and server
    pinned to one CPU, as benches/run.py does), and the peers the same way.
@@ -29,9 +29,11 @@ when the crate builds here (benches/server_stats.py), and measures, in one run:
 5. ``study``: the design study of benches/script_study (the script's pieces and
    candidate variants; see its FINDINGS.md).
 
-"bucketlimit batched" has a row in 3 and 4 that reads "not available": batching
-(issue 13, part 2) is not built yet. Each measurement is bounded in calls and
-seconds; every timing repeats, interleaved, and reports the median.
+"bucketlimit batched" is issue 13's shared round trips: in 1, ``allow_many`` of 1, 8
+and 64 decisions per script (µs per decision); in 3 and 4 the asyncio limiter
+with ``batching=True`` next to the same limiter with ``batching=False``. Each
+measurement is bounded in calls and seconds; every timing repeats, interleaved,
+and reports the median.
 
 It runs in the development environment (``make install``; it uses the tests' server
 runner) with the peers of benches/requirements.txt installed there
@@ -82,12 +84,18 @@ from bucketlimit._redis.script import BUCKET_SCRIPT, specialize
 from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
 
 TRIVIAL = "return 1"
+# Mostly allowed: peers.ALLOWED's burst of 10^9 is past the Redis limiter's exact
+# range since reservations (issue 12: a bucket may owe 1000 capacities, and
+# 1001 * 10^9 tokens * 10^6 units is past 2^53): 10^6 tokens a key, never drained
+# by a run, for every library alike.
+ALLOWED = peers.Quota(capacity=10**6, rate=1, per=1)
 LONG_WINDOW = peers.Quota(capacity=10**9, rate=1, per=3600)  # for limits' windows only
 KEYS = [f"user-{i:05d}" for i in range(1000)]
 CONCURRENCY = (1, 8, 64, 256)
 PROCESSES, PROCESS_TASKS = 4, 64
 BATCHED = "bucketlimit batched"
-NOT_BUILT = "not available (batching, issue 13 part 2, is not built yet)"
+UNBATCHED = "bucketlimit AsyncRedisTokenBucketLimiter, batching=False"
+PER_CALL = (1, 8, 64)  # decisions per allow_many in section 1
 
 
 @dataclass
@@ -160,6 +168,9 @@ class ServerRow:
     allowed: Callable[[object], bool]
     keys: list[str]
     top: tuple[str, ...] = ("evalsha", "eval")
+    # allow_many rows: decisions per call, and the call (keys -> decisions).
+    per_call: int = 1
+    many: Callable[[list[str]], list[object]] | None = None
 
 
 def _sync_limiter(q: peers.Quota, port: int, **options: Any) -> RedisTokenBucketLimiter:
@@ -174,7 +185,7 @@ def server_rows(port: int, cell: bool) -> list[ServerRow]:
     execute = c.execute_command
     trivial = c.script_load(TRIVIAL)
     for workload, q, keys in [
-        ("allowed", peers.ALLOWED, KEYS),
+        ("allowed", ALLOWED, KEYS),
         ("refused", peers.REFUSED, ["user-refused"]),
     ]:
 
@@ -204,6 +215,10 @@ def server_rows(port: int, cell: bool) -> list[ServerRow]:
         limiter = _sync_limiter(q, port, refusal_cache=False)
         # Every refusal asked of the server (the cache would answer them locally).
         add("bucketlimit RedisTokenBucketLimiter.allow, no refusal cache", limiter.allow, bool)
+        for n in PER_CALL:
+            # Shared round trips: one script deciding n allows (bucket.lua's mode 'm').
+            add(f"{BATCHED}: allow_many, {n} per call", limiter.allow, bool, prefix=f"many{n}:")
+            rows[-1].per_call, rows[-1].many = n, limiter.allow_many  # type: ignore[assignment]
         for label, factory in [
             ("limits fixed window", peers.limits_fixed_redis),
             ("limits sliding window counter", peers.limits_sliding_redis),
@@ -255,14 +270,25 @@ def server_section(port: int, cell: bool, s: Settings) -> dict[str, Any]:
         answers[name] = got
         position = [0]
 
-        def run(
-            row: ServerRow = row, got: list[object] = got, position: list[int] = position
-        ) -> None:
-            n, keys, allow = position[0], row.keys, row.allow
-            got.extend(allow(keys[i % len(keys)]) for i in range(n, n + s.per_batch))
-            position[0] = n + s.per_batch
+        # Decisions per batch: a whole number of calls.
+        calls = -(-s.per_batch // row.per_call) * row.per_call
 
-        subjects[name] = (run, s.per_batch, row.top)
+        def run(
+            row: ServerRow = row,
+            got: list[object] = got,
+            position: list[int] = position,
+            calls: int = calls,
+        ) -> None:
+            n, keys, allow, many = position[0], row.keys, row.allow, row.many
+            if many is None:
+                got.extend(allow(keys[i % len(keys)]) for i in range(n, n + calls))
+            else:
+                for start in range(n, n + calls, row.per_call):
+                    picked = [keys[i % len(keys)] for i in range(start, start + row.per_call)]
+                    got.extend(many([(k, 1) for k in picked]))  # type: ignore[misc]
+            position[0] = n + calls
+
+        subjects[name] = (run, calls, row.top)
     summaries = sample(admin, subjects, s.batches)
     out: dict[str, Any] = {"load_after": load(), "rows": {}}
     for row in rows:
@@ -311,10 +337,10 @@ def client_section(port: int, s: Settings) -> dict[str, Any]:
         c = client(port)
         trivial = c.script_load(TRIVIAL)
         limiter = RedisTokenBucketLimiter(
-            c, peers.ALLOWED.capacity, peers.ALLOWED.rate, per=peers.ALLOWED.per,
+            c, ALLOWED.capacity, ALLOWED.rate, per=ALLOWED.per,
             on_store_error="raise",
         )  # fmt: skip
-        sha = c.script_load(specialize(BUCKET_SCRIPT.source, *config(peers.ALLOWED)))
+        sha = c.script_load(specialize(BUCKET_SCRIPT.source, *config(ALLOWED)))
         evalsha, execute = c.evalsha, c.execute_command
         rows: dict[str, Callable[[str], object]] = {
             "trivial EVALSHA through the same client": lambda _k: evalsha(trivial, 0),
@@ -325,11 +351,11 @@ def client_section(port: int, s: Settings) -> dict[str, Any]:
         }
         for name, factory in peers.REDIS_PEERS.items():
             if installed(name):
-                rows[name] = factory(peers.ALLOWED, port).allow
+                rows[name] = factory(ALLOWED, port).allow
         # What the limiter itself costs in Python, with no I/O: a client whose
         # execute_command answers at once with the reply of an allowed call.
         rows["bucketlimit allow() on an instant stub client (no I/O)"] = RedisTokenBucketLimiter(
-            InstantClient(), peers.ALLOWED.capacity, peers.ALLOWED.rate, per=peers.ALLOWED.per,
+            InstantClient(), ALLOWED.capacity, ALLOWED.rate, per=ALLOWED.per,
             on_store_error="raise",
         ).allow  # fmt: skip
         names = list(rows)
@@ -380,15 +406,15 @@ POOL = 512
 
 async def async_subject(name: str, port: int) -> tuple[AsyncAllow, Callable[[], Awaitable[None]]]:
     """(allow, close) for one library's asyncio mode, its default pool, mostly allowed."""
-    q = peers.ALLOWED
+    q = ALLOWED
     if name == "trivial EVALSHA (redis.asyncio)":
         c = redis.asyncio.Redis(host="127.0.0.1", port=port, max_connections=POOL)
         sha = await c.script_load(TRIVIAL)
         return (lambda _k: c.evalsha(sha, 0)), c.aclose
-    if name == "bucketlimit AsyncRedisTokenBucketLimiter":
+    if name in (UNBATCHED, BATCHED):
         c = redis.asyncio.Redis(host="127.0.0.1", port=port, max_connections=POOL)
         limiter = AsyncRedisTokenBucketLimiter(
-            c, q.capacity, q.rate, per=q.per, on_store_error="raise"
+            c, q.capacity, q.rate, per=q.per, on_store_error="raise", batching=name == BATCHED
         )
         return limiter.allow, c.aclose
     if name.startswith("limits "):
@@ -439,7 +465,8 @@ async def async_subject(name: str, port: int) -> tuple[AsyncAllow, Callable[[], 
 
 ASYNC_LIBRARIES = [
     "trivial EVALSHA (redis.asyncio)",
-    "bucketlimit AsyncRedisTokenBucketLimiter",
+    BATCHED,
+    UNBATCHED,
     "limits fixed window",
     "limits sliding window counter",
     "throttled-py token bucket",
@@ -518,11 +545,8 @@ def one_async(name: str, port: int, tasks: int, seconds: float) -> dict[str, flo
 
 
 def print_async_table(results: dict[str, dict[str, Any]], columns: list[str]) -> None:
-    print(f"  {'':42}" + "".join(f"{c:>34}" for c in columns))
+    print(f"  {'':56}" + "".join(f"{c:>34}" for c in columns))
     for name, by in results.items():
-        if name == BATCHED:
-            print(f"  {name:42}   {NOT_BUILT}")
-            continue
         cells = []
         for col in columns:
             r = by[col]
@@ -530,7 +554,7 @@ def print_async_table(results: dict[str, dict[str, Any]], columns: list[str]) ->
                 f"{r['decisions_per_s']:>8,.0f}/s {r['p50_us']:>6,.0f}/{r['p99_us']:>6,.0f} us"
                 f" {r['server_cpu_us_per_decision']:>5.1f}"
             )
-        print(f"  {name:42}" + "".join(f"{c:>34}" for c in cells))
+        print(f"  {name:56}" + "".join(f"{c:>34}" for c in cells))
     print("  (decisions/s, p50/p99 latency per decision, server CPU us per decision)")
 
 
@@ -554,7 +578,6 @@ def asyncio_section(port: int, s: Settings) -> dict[str, Any]:
             results.setdefault(name, {})[f"{tasks} tasks"] = {
                 key: median(r[key] for r in runs) for key in runs[0]
             }
-    results[BATCHED] = {"note": NOT_BUILT}
     print_async_table(results, [f"{t} tasks" for t in CONCURRENCY])
     return {"results": results, "load_after": load()}
 
@@ -640,7 +663,6 @@ def processes_section(port: int, s: Settings) -> dict[str, Any]:
         name: {column: {key: median(r[key] for r in samples[name]) for key in samples[name][0]}}
         for name in libraries()
     }
-    results[BATCHED] = {"note": NOT_BUILT}
     print_async_table(results, [column])
     return {"results": results, "load_after": load()}
 

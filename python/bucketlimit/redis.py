@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, SupportsIndex, cast
@@ -43,9 +44,12 @@ from bucketlimit._redis.errors import (
 from bucketlimit._redis.limiter import (
     DEFAULT_TIMEOUT,
     PENDING,
+    Batch,
     Call,
+    Outcome,
     RedisLimiter,
     ReservationState,
+    Waiter,
     all_call,
     allow_all_call,
 )
@@ -117,10 +121,17 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
 
     _asyncio = False
     _other = "AsyncRedisTokenBucketLimiter for asyncio clients"
+    _batching_default = False
 
     def _drive(self, call: Call) -> Any:
         """Runs a call: sends each command it waits on and hands it the outcome."""
         answer = self._start(call)
+        if answer is PENDING:
+            answer = self._send(call)
+        return answer
+
+    def _send(self, call: Call) -> Any:
+        answer: Any = PENDING
         while answer is PENDING:
             try:
                 client = self._client if self._client is not None else self._connect()
@@ -131,13 +142,86 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
                 answer = self._reply(call, reply)
         return answer
 
+    def _send_batch(self, batch: Batch) -> list[Outcome]:
+        """Sends a batch's command (once more after NOSCRIPT) and splits its reply."""
+        outcomes: Any = PENDING
+        while outcomes is PENDING:
+            try:
+                client = self._client if self._client is not None else self._connect()
+                reply = getattr(client, batch.name)(*batch.argv)
+            except BaseException as error:
+                outcomes = self._batch_error(batch, error)
+            else:
+                outcomes = self._batch_reply(batch, reply)
+        return cast("list[Outcome]", outcomes)
+
     def _discard(self, client: SyncClient) -> None:
         client.close()
 
     def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
-        """Refills the key's bucket and spends ``cost`` tokens if it holds that many."""
-        answer: Decision = self._drive(self._call(ALLOW, key, cost))
-        return answer
+        """Refills the key's bucket and spends ``cost`` tokens if it holds that many.
+
+        With ``batching=True``, a thread that finds another thread's round trip in
+        flight waits, and its allow goes in the next one, with every other allow
+        that arrived meanwhile (sent by the first of them: group commit)."""
+        call = self._call(ALLOW, key, cost)
+        if not self._batching:
+            answer: Decision = self._drive(call)
+            return answer
+        started = self._start(call)
+        if started is not PENDING:
+            return cast("Decision", started)
+        waiter = self._join(call, threading.Event)
+        if waiter is None:
+            try:
+                answer = self._send(call)
+            finally:
+                self._hand_over()
+            return answer
+        waiter.wake.wait()
+        if waiter.lead is not None:  # this thread sends the next round trip
+            try:
+                self._fly(waiter.lead)
+            finally:
+                self._hand_over()
+        return cast("Decision", waiter.result())
+
+    def _hand_over(self) -> None:
+        """A round trip of allows landed: the first waiter sends the next one."""
+        waiters = self._landed()
+        if waiters is not None:
+            waiters[0].lead = waiters
+            waiters[0].wake.set()
+
+    def _fly(self, waiters: list[Waiter]) -> None:
+        """One shared round trip per batch; every waiter gets its outcome."""
+        outcomes: dict[int, Outcome] = {}
+        try:
+            for runs in self._batches([waiter.call for waiter in waiters]):
+                for batch in runs:
+                    for call, outcome in zip(batch.calls, self._send_batch(batch), strict=True):
+                        outcomes[id(call)] = outcome
+        finally:
+            for waiter in waiters:
+                waiter.outcome = outcomes.get(id(waiter.call), _NOT_SENT)
+                if waiter.lead is None:
+                    waiter.wake.set()
+
+    def allow_many(self, requests: Iterable[tuple[str, SupportsIndex]]) -> list[Decision]:
+        """``allow`` of every ``(key, cost)`` pair, in order, sharing round trips: one
+        script for all of them (one per hash slot on a cluster), each decided as if
+        sent alone, at one instant of the server. A key may come more than once:
+        each pair sees the previous one's spending. Every pair is checked first
+        (``TypeError``, ``ValueError``): a bad one sends nothing."""
+        calls = self._many_calls(requests)
+        answers = [self._start(call) for call in calls]
+        pending = [call for call, answer in zip(calls, answers, strict=True) if answer is PENDING]
+        outcomes: dict[int, Outcome] = {}
+        for runs in self._batches(pending):
+            for batch in runs:
+                for call, outcome in zip(batch.calls, self._send_batch(batch), strict=True):
+                    outcomes[id(call)] = outcome
+        return _many_answers(calls, answers, outcomes)
 
     def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """What ``allow`` would answer now; writes nothing."""
@@ -232,6 +316,7 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
 
     _asyncio = True
     _other = "RedisTokenBucketLimiter for blocking clients"
+    _batching_default = True
 
     async def _drive(self, call: Call) -> Any:
         """Runs a call: awaits each command it waits on and hands it the outcome.
@@ -244,6 +329,10 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         if answer is not PENDING:
             await asyncio.sleep(0)
             return answer
+        return await self._send(call)
+
+    async def _send(self, call: Call) -> Any:
+        answer: Any = PENDING
         while answer is PENDING:
             try:
                 client = self._client if self._client is not None else self._connect()
@@ -254,10 +343,98 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
                 answer = self._reply(call, reply)
         return answer
 
+    async def _send_batch(self, batch: Batch) -> list[Outcome]:
+        """:meth:`RedisTokenBucketLimiter._send_batch`, awaited."""
+        outcomes: Any = PENDING
+        while outcomes is PENDING:
+            try:
+                client = self._client if self._client is not None else self._connect()
+                reply = await getattr(client, batch.name)(*batch.argv)
+            except BaseException as error:
+                outcomes = self._batch_error(batch, error)
+            else:
+                outcomes = self._batch_reply(batch, reply)
+        return cast("list[Outcome]", outcomes)
+
+    async def _send_runs(self, runs: list[Batch]) -> dict[int, Outcome]:
+        """The batches of one hash slot, one after the other (arrival order)."""
+        outcomes: dict[int, Outcome] = {}
+        for batch in runs:
+            for call, outcome in zip(batch.calls, await self._send_batch(batch), strict=True):
+                outcomes[id(call)] = outcome
+        return outcomes
+
+    async def _send_all(self, calls: list[Call]) -> dict[int, Outcome]:
+        """Every pending allow in shared round trips: the hash slots side by side."""
+        outcomes: dict[int, Outcome] = {}
+        slots = self._batches(calls)
+        if len(slots) == 1:
+            return await self._send_runs(slots[0])
+        for part in await asyncio.gather(*(self._send_runs(runs) for runs in slots)):
+            outcomes.update(part)
+        return outcomes
+
     async def allow(self, key: str, cost: SupportsIndex = 1) -> Decision:
-        """:meth:`RedisTokenBucketLimiter.allow`, awaited."""
-        answer: Decision = await self._drive(self._call(ALLOW, key, cost))
-        return answer
+        """:meth:`RedisTokenBucketLimiter.allow`, awaited.
+
+        With ``batching=True`` (the default), an allow asked while another of this
+        limiter's allows is on its way goes in the next round trip, with every
+        other allow asked meanwhile: one script decides them all, each as if sent
+        alone (docs/redis.md, "Shared round trips")."""
+        call = self._call(ALLOW, key, cost)
+        if not self._batching:
+            answer: Decision = await self._drive(call)
+            return answer
+        started = self._start(call)
+        if started is not PENDING:
+            await asyncio.sleep(0)
+            return cast("Decision", started)
+        waiter = self._join(call, asyncio.get_running_loop().create_future)
+        if waiter is None:
+            try:
+                answer = await self._send(call)
+            finally:
+                self._next_flight()
+            return answer
+        await waiter.wake  # cancelled before it is sent: _fly drops it
+        return cast("Decision", waiter.result())
+
+    def _next_flight(self) -> None:
+        """A round trip of allows landed: the next one, for every waiter, in a task of
+        its own (no waiter's cancellation can stop it)."""
+        waiters = self._landed()
+        if waiters is not None:
+            flight = asyncio.ensure_future(self._fly(waiters))
+            _FLIGHTS.add(flight)
+            flight.add_done_callback(_FLIGHTS.discard)
+
+    async def _fly(self, waiters: list[Waiter]) -> None:
+        outcomes: dict[int, Outcome] = {}
+        try:
+            live = []
+            for waiter in waiters:
+                if waiter.wake.done():  # cancelled while it waited: never sent
+                    self._dropped(waiter.call)
+                else:
+                    live.append(waiter)
+            outcomes = await self._send_all([waiter.call for waiter in live])
+        finally:
+            for waiter in waiters:
+                waiter.outcome = outcomes.get(id(waiter.call), _NOT_SENT)
+                if not waiter.wake.done():
+                    waiter.wake.set_result(None)
+            self._next_flight()
+
+    async def allow_many(self, requests: Iterable[tuple[str, SupportsIndex]]) -> list[Decision]:
+        """:meth:`RedisTokenBucketLimiter.allow_many`, awaited (the hash slots of a
+        cluster side by side)."""
+        calls = self._many_calls(requests)
+        answers = [self._start(call) for call in calls]
+        pending = [call for call, answer in zip(calls, answers, strict=True) if answer is PENDING]
+        if not pending:
+            await asyncio.sleep(0)
+        outcomes = await self._send_all(pending) if pending else {}
+        return _many_answers(calls, answers, outcomes)
 
     async def peek(self, key: str, cost: SupportsIndex = 1) -> Decision:
         """:meth:`RedisTokenBucketLimiter.peek`, awaited."""
@@ -311,6 +488,28 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
     async def check(self) -> None:
         """:meth:`RedisTokenBucketLimiter.check`, awaited."""
         await self._drive(self._check_call())
+
+
+#: A waiter's outcome when its round trip never happened (an error of the driver).
+_NOT_SENT: Outcome = (None, StoreUnavailableError("the shared round trip was not sent"))
+
+# Shared round trips in flight: held until they land (the event loop keeps only
+# weak references to tasks).
+_FLIGHTS: set[asyncio.Future[None]] = set()
+
+
+def _many_answers(
+    calls: list[Call], answers: list[Any], outcomes: dict[int, Outcome]
+) -> list[Decision]:
+    """allow_many's decisions in order; the first call whose policy raises raises."""
+    decisions: list[Decision] = []
+    for call, answer in zip(calls, answers, strict=True):
+        if answer is PENDING:
+            answer, error = outcomes[id(call)]
+            if error is not None:
+                raise error
+        decisions.append(answer)
+    return decisions
 
 
 class RedisReservation(ReservationState):

@@ -31,11 +31,27 @@
 --           the headroom before it and its cost ('': none)
 --
 -- Each limiter runs its own form (script.py, specialize): the line marked
--- "config" below with the limiter's three numbers written in. It takes one
--- key, and ARGV is only cost (1 when absent), then the mode ('a' when absent),
--- then now (the server's TIME when absent), then the 4 more: the common call, an
--- allow of one token on the server's clock, sends no argument at all. Both
--- forms do the same arithmetic, in the same lines.
+-- "config" below with the limiter's three numbers written in (and own = true).
+-- It takes one key, and ARGV is only cost (1 when absent), then the mode ('a'
+-- when absent), then now (the server's TIME when absent), then the 4 more: the
+-- common call, an allow of one token on the server's clock, sends no argument
+-- at all. Both forms do the same arithmetic, in the same lines.
+--
+-- The own form has one more mode, 'm' (many): a batch of allows, one per key
+-- in arrival order (a key may come twice: the second sees the first's write),
+-- each decided exactly as the one-key allow would decide it alone, all at one
+-- instant (TIME read once). ARGV[1] unused (''), ARGV[2] 'm', ARGV[3] now (''
+-- for the server's TIME), then the cost of each allow ('' or absent: 1). Its
+-- reply is 3 values per allow, flattened; an allow whose key holds no bucket
+-- has the one-key call's error reply (key 1 of 1) as its first value and
+-- writes nothing, and the others go on. (docs/design.md §6, "Shared round
+-- trips".)
+--
+-- One bucket allowed or peeked at (every limiter's common call, allow_all of
+-- one bucket) and a batch take the straight-line path: per key read, refill,
+-- check, spend, write, answer, as Bucket::allow in src/bucket.rs. Everything
+-- else (reservations, charges, give-backs, several keys) takes the general
+-- loop below it.
 --
 -- A bucket is its balance B in units (negative: a debt of waiting
 -- reservations, at most MAX_DEBT_CAPACITIES capacities), the microsecond L it
@@ -65,8 +81,9 @@
 -- the longest among refusals, the rest from the bucket with the fewest
 -- remaining tokens (first on a tie).
 --
--- Every bucket is read and checked before the first write: Redis does not
--- roll a script back. One bucket is checked, spent and answered in one pass.
+-- Every bucket of one decision is read and checked before the decision's
+-- first write: Redis does not roll a script back (a batch's allows are
+-- separate decisions). One bucket is checked, spent and answered in one pass.
 -- Several take two when they spend all or nothing (allow, reserve): the first
 -- checks them all, the second reads them again (nothing has changed, the
 -- script is atomic and its keys are distinct), spends, writes and answers.
@@ -85,8 +102,122 @@ local floor, ceil, min, max = math.floor, math.ceil, math.min, math.max
 local cost = ARGV[1] and tonumber(ARGV[1]) or 1
 local mode = ARGV[2] or 'a'
 local n = #KEYS
-local server_now = nil
+-- The first key's configuration; in the own form the limiter's (see above).
+local capacity, unit, p, cost, x, own = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), 8, false -- config
 
+-- The straight-line path: one allow or peek of one bucket, or a batch of allows.
+if mode == 'm' or (n == 1 and (mode == 'a' or mode == 'p')) then
+  local now = ARGV[3]
+  if now == nil or now == '' then
+    local t = redis.call('TIME')
+    now = t[1] * 1000000 + t[2]
+  else
+    now = tonumber(now)
+  end
+  local batch = mode == 'm'
+  -- A batch goes on past a key of the wrong type: that allow alone would fail.
+  local get = batch and redis.pcall or redis.call
+  local full = capacity * unit
+  local reply = batch and {} or nil -- one allow answers with its own table
+  for i = 1, n do
+    if batch then
+      local c = ARGV[3 + i]
+      cost = (c == nil or c == '') and 1 or tonumber(c)
+    end
+    local need = cost * unit
+    local b, l, h = full, now, nil
+    local value = get('GET', KEYS[i])
+    local bad = nil
+    if batch and type(value) == 'table' then
+      bad = value -- WRONGTYPE, for this allow only
+    elseif value then
+      local bs, ls = string.match(value, '^(%-?%d+) (%-?%d+)$')
+      local hs = nil
+      if bs == nil then
+        bs, ls, hs = string.match(value, '^(%-?%d+) (%-?%d+) (%d+)$')
+        h = tonumber(hs)
+      end
+      b, l = tonumber(bs), tonumber(ls)
+      if b == nil or l == nil or b >= EXACT or b <= -EXACT or l >= EXACT or l <= -EXACT
+          or (hs and (h == nil or h >= EXACT)) then
+        bad = redis.error_reply('BUCKETLIMIT corrupt bucket value in key 1 of 1')
+        if not batch then
+          return bad
+        end
+      else
+        -- More than full: written under a larger capacity; a bucket holds at most full.
+        if b > full then
+          b = full
+        end
+        -- Refill; a clock that went back adds nothing and never moves l back.
+        if now > l then
+          -- Exact when below what is missing; any larger product means full.
+          local added = (now - l) * p
+          if added >= full - b then
+            b, h = full, nil
+          else
+            b = b + added
+          end
+          l = now
+        end
+        -- H <= full - B: the cap line never passes the capacity.
+        if h and h >= full - b then
+          h = nil
+        end
+      end
+    end
+    local j = 3 * i
+    if bad then
+      reply[j - 2], reply[j - 1], reply[j] = bad, 0, 0
+    else
+      local retry = 0
+      if b < need then
+        retry = p == 0 and -1 or ceil((need - b) / p)
+      else
+        b = b - need
+        -- The cap line does not move: the headroom grows by what was spent.
+        if h then
+          h = h + need
+          if h >= full - b then
+            h = nil
+          end
+        end
+      end
+      -- Microseconds until full; -1: never (rate 0).
+      local until_full = 0
+      if b < full then
+        until_full = p == 0 and -1 or ceil((full - b) / p)
+      end
+      if retry == 0 and mode ~= 'p' then
+        local bucket
+        if h then
+          bucket = string.format('%d %d %d', b, l, h)
+        else
+          bucket = string.format('%d %d', b, l)
+        end
+        if until_full == 0 then
+          -- A full bucket answers exactly like a missing one.
+          redis.call('DEL', KEYS[i])
+        elseif until_full == -1 then
+          -- A quota: no TTL (SET also clears one left by another configuration).
+          redis.call('SET', KEYS[i], bucket)
+        else
+          local ttl = max(MIN_TTL_MS, ceil(until_full / 1000))
+          redis.call('SET', KEYS[i], bucket, 'PX', string.format('%d', ttl))
+        end
+      end
+      local remaining = b > 0 and floor(b / unit) or 0
+      if not batch then
+        return {retry, remaining, until_full}
+      end
+      reply[j - 2], reply[j - 1], reply[j] = retry, remaining, until_full
+    end
+  end
+  return reply
+end
+
+-- The general loop: several buckets, reservations, charges, give-backs.
+local server_now = nil
 local passes = (n == 1 or mode == 'r' or mode == 'c') and 1 or 2
 local all_allowed = true
 -- The answer: the longest wait among refusals (-1: never), then the tightest
@@ -98,7 +229,9 @@ local delay, lines = 0, nil -- lines: made when a reservation waits
 for pass = 1, passes do
   for i = 1, n do
     local a = 2 + (i - 1) * 9
-    local capacity, unit, p, cost, x = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), a + 6 -- config
+    if not own then
+      capacity, unit, p, cost, x = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5]), a + 6
+    end
     local now = ARGV[a + 1]
     if now == nil or now == '' then
       if server_now == nil then

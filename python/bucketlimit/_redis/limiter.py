@@ -81,6 +81,7 @@ from bucketlimit._redis.script import (
     CHARGE,
     CHECK,
     LUA_EXACT,
+    MANY,
     NO_ARGS,
     NONE,
     PEEK,
@@ -172,6 +173,7 @@ class Options(TypedDict, total=False):
     processes: SupportsIndex
     retry_interval: float
     refusal_cache: bool
+    batching: bool
 
 
 class Call:
@@ -221,6 +223,61 @@ class Call:
         # The command it waits on: first its script by EVALSHA.
         self.name = "execute_command"
         self.argv: tuple[Any, ...] = ("EVALSHA", script.sha, len(keys), *keys, *args)
+
+
+#: The most allows one shared round trip decides (bucket.lua's mode 'm'): a script
+#: blocks the server while it runs, about 4-5 µs an allow, so 256 is about a
+#: millisecond; more waiting allows go in the next one.
+MAX_BATCH: Final = 256
+
+
+class Batch:
+    """Allows of one limiter sharing one round trip (docs/design.md §6, "Shared round
+    trips"): its own form's mode 'm' over their keys in arrival order, at one
+    ``now``, each answered as if sent alone. A batch of one is the call itself."""
+
+    __slots__ = ("args", "argv", "calls", "keys", "name", "script", "sent")
+
+    def __init__(self, script: Script, calls: list[Call], now: Any) -> None:
+        self.calls = calls
+        self.script = script
+        self.keys = [call.keys[0] for call in calls]
+        if len(calls) == 1:
+            self.args: Sequence[Any] = calls[0].args
+        else:
+            costs = [NONE if call.cost == 1 else call.cost for call in calls]
+            while costs and costs[-1] is NONE:
+                costs.pop()  # an absent cost is 1: the common batch sends 3 arguments
+            self.args = (NONE, MANY.value, now, *costs)
+        self.sent = 1
+        self.name = "execute_command"
+        self.argv: tuple[Any, ...] = ("EVALSHA", script.sha, len(self.keys), *self.keys, *self.args)
+
+
+#: How one call of a batch ended: its answer, or the error it raises.
+Outcome = tuple[Any, BaseException | None]
+
+
+class Waiter:
+    """An allow waiting for a shared round trip: ``wake`` (a ``threading.Event`` or an
+    asyncio future, the driver's) is set when it has its outcome, or, for the sync
+    limiter, when it must send the next round trip itself (``lead``: every waiter of
+    that round trip, itself first)."""
+
+    __slots__ = ("call", "lead", "outcome", "wake")
+
+    def __init__(self, call: Call, wake: Any) -> None:
+        self.call = call
+        self.wake = wake
+        self.lead: list[Waiter] | None = None
+        self.outcome: Outcome | None = None
+
+    def result(self) -> Any:
+        assert self.outcome is not None
+        answer, error = self.outcome
+        if error is not None:
+            raise error
+        return answer
 
 
 class Counters:
@@ -287,6 +344,8 @@ class RedisLimiter(Generic[C]):
     _script: ClassVar[Script] = BUCKET_SCRIPT
     _asyncio: ClassVar[bool]
     _other: ClassVar[str]
+    # Whether allow() shares round trips unless the constructor says (batching=).
+    _batching_default: ClassVar[bool]
 
     def __init__(
         self,
@@ -302,6 +361,7 @@ class RedisLimiter(Generic[C]):
         processes: SupportsIndex = 1,
         retry_interval: float = 1.0,
         refusal_cache: bool = True,
+        batching: bool | None = None,
     ) -> None:
         lazy: LazyClient | None = client if isinstance(client, LazyClient) else None
         kinds = clients.kind(asyncio=self._asyncio)
@@ -373,6 +433,16 @@ class RedisLimiter(Generic[C]):
         # Only on the store's clock: an injected clock (a ManualClock) may jump ahead
         # of time.monotonic(), which the cache measures waits with.
         self._refusals = RefusalCache() if refusal_cache and clock is None else None
+        # Shared round trips (docs/design.md §6): allows asked while one of this
+        # limiter's round trips is in flight wait in _queue and go together next.
+        if batching is None:
+            batching = self._batching_default
+        if not isinstance(batching, bool):
+            raise TypeError(f"batching must be a bool, got {type(batching).__name__}")
+        self._batching = batching
+        self._flying = False
+        self._queue: list[Waiter] = []
+        self._queue_lock = threading.Lock()
 
     @classmethod
     def from_url(
@@ -468,6 +538,9 @@ class RedisLimiter(Generic[C]):
 
     def _after_fork(self) -> None:
         self._client_lock = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._flying = False  # the round trip in flight, if any, is not in this process
+        self._queue = []
 
     @property
     def capacity(self) -> int:
@@ -497,6 +570,12 @@ class RedisLimiter(Generic[C]):
     @property
     def retry_interval(self) -> float:
         return self._retry_interval
+
+    @property
+    def batching(self) -> bool:
+        """Whether ``allow`` calls asked while a round trip is in flight share the
+        next one (docs/redis.md, "Shared round trips")."""
+        return self._batching
 
     @property
     def refusal_cache(self) -> bool:
@@ -750,6 +829,11 @@ class RedisLimiter(Generic[C]):
             call.argv = ("EVAL", call.script.source, len(keys), *keys, *call.args)
             call.sent += 1
             return PENDING
+        return self._fail(call, error)
+
+    def _fail(self, call: Call, error: BaseException) -> Answer:
+        """The call's command failed and will not be sent again: the failure policy
+        answers (and counts it), or this raises."""
         if isinstance(error, ResponseError):
             converted = store_error(error, call.keys)
             if converted is not error:
@@ -841,6 +925,126 @@ class RedisLimiter(Generic[C]):
         if kind == CONFIG:
             raise configuration_error(error) from error
         raise error
+
+    # -- shared round trips (docs/design.md §6) -------------------------------------
+    #
+    # An allow whose _start left it PENDING joins: the first finds nothing in flight
+    # and is sent alone (_join answers None); the others wait in the queue. When a
+    # round trip lands, _landed takes the whole queue for the next one, which
+    # _batches splits by hash slot (on a cluster) and by `now` (an injected clock),
+    # at most MAX_BATCH each, in arrival order; _batch_reply and _batch_error are
+    # a batch's _reply and _error, giving each call its own outcome.
+
+    def _many_calls(self, requests: object) -> list[Call]:
+        """``allow_many``'s calls, every pair checked before anything is sent."""
+        if isinstance(requests, (str, bytes)) or not isinstance(requests, Iterable):
+            raise TypeError(
+                f"allow_many takes a sequence of (key, cost) pairs, got {type(requests).__name__}"
+            )
+        calls = []
+        for item in requests:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise TypeError(
+                    f"allow_many takes (key, cost) pairs, got {item!r} ({type(item).__name__})"
+                )
+            key, cost = item
+            if not isinstance(key, str):
+                raise TypeError(f"key must be a str, got {type(key).__name__}")
+            calls.append(self._call(ALLOW, key, cost))
+        return calls
+
+    def _join(self, call: Call, wake: Callable[[], Any]) -> Waiter | None:
+        """None: nothing is in flight, send the call now (and call _landed after);
+        else the call waits for the next round trip (on ``wake()``: the driver's
+        event or future, made only for a call that waits)."""
+        with self._queue_lock:
+            if not self._flying:
+                self._flying = True
+                return None
+            waiter = Waiter(call, wake())
+            self._queue.append(waiter)
+            return waiter
+
+    def _landed(self) -> list[Waiter] | None:
+        """A round trip of allows ended: the waiters of the next one, or None when
+        none waits (then nothing is in flight)."""
+        with self._queue_lock:
+            waiters = self._queue
+            if not waiters:
+                self._flying = False
+                return None
+            self._queue = []
+            return waiters
+
+    def _dropped(self, call: Call) -> None:
+        """A waiting allow given up before it was sent (its task cancelled)."""
+        if call.breaker is not None:
+            call.breaker.release(call.gate)
+        call.sent = 0
+        self._finish(call, None)
+
+    def _batches(self, calls: Sequence[Call]) -> list[list[Batch]]:
+        """Pending allows as batches: one list per hash slot (a cluster's; one list
+        on a standalone store), each in arrival order, split where ``now`` changes
+        (an injected clock read between them) or at MAX_BATCH."""
+        slots: dict[int, list[tuple[Any, list[Call]]]] = {}
+        for call in calls:
+            slot = key_slot(call.keys[0]) if self._cluster else 0
+            now = call.args[2] if len(call.args) > 2 else SERVER_TIME
+            runs = slots.setdefault(slot, [])
+            if runs and runs[-1][0] == now and len(runs[-1][1]) < MAX_BATCH:
+                runs[-1][1].append(call)
+            else:
+                runs.append((now, [call]))
+        return [[Batch(self._own, group, now) for now, group in runs] for runs in slots.values()]
+
+    def _shared(self, batch: Batch) -> None:
+        """The batch's commands counted once, on its first call."""
+        for call in batch.calls:
+            call.sent = 0
+        batch.calls[0].sent = batch.sent
+
+    def _batch_reply(self, batch: Batch, reply: Any) -> list[Outcome]:
+        """The batch's script answered: 3 values per allow, each allow's as alone; a
+        key that holds no bucket has the one-key call's error reply there."""
+        self._shared(batch)
+        outcomes: list[Outcome] = []
+        for i, call in enumerate(batch.calls):
+            first = reply[3 * i]
+            try:
+                if isinstance(first, BaseException):
+                    answer = self._fail(call, first)
+                else:
+                    answer = self._reply(call, reply[3 * i : 3 * i + 3])
+            except BaseException as error:  # the policy raises: this call's outcome
+                outcomes.append((None, error))
+            else:
+                outcomes.append((answer, None))
+        return outcomes
+
+    def _batch_error(self, batch: Batch, error: BaseException) -> list[Outcome] | _Pending:
+        """The batch's command failed: sent once more only after NOSCRIPT or a
+        redirection storm (the script did not run), as a lone call is; else the
+        failure policy answers each of its calls (each degraded, each counted)."""
+        if batch.sent == 1 and isinstance(error, ClusterError) and classify(error) == REDIRECTED:
+            batch.sent += 1
+            return PENDING
+        if isinstance(error, NoScriptError) and batch.argv[0] == "EVALSHA":
+            self._counters.event("script_loads")
+            keys = batch.keys
+            batch.argv = ("EVAL", batch.script.source, len(keys), *keys, *batch.args)
+            batch.sent += 1
+            return PENDING
+        self._shared(batch)
+        outcomes: list[Outcome] = []
+        for call in batch.calls:
+            try:
+                answer = self._fail(call, error)
+            except BaseException as raised:
+                outcomes.append((None, raised))
+            else:
+                outcomes.append((answer, None))
+        return outcomes
 
     def _raises(self, call: Call) -> bool:
         limiters = [self] if call.checks is None else [limiter for limiter, _, _ in call.checks]

@@ -32,6 +32,7 @@ class Mode(enum.Enum):
     REFUND = b"r"  # any give-back: refund, a reservation's cancel, settle below its cost
     RESERVE = b"v"
     CHARGE = b"c"
+    MANY = b"m"  # a batch of allows, one per key (the own form only: shared round trips)
     RESET = b"d"  # not a script mode: a reset deletes the bucket's key
     CHECK = b"check"  # not a script mode: check() runs the script as a peek, then INFO
 
@@ -39,7 +40,7 @@ class Mode(enum.Enum):
 # The members as module constants: reading one through its class costs about
 # 80 ns on CPython 3.11, and every call compares its mode several times.
 ALLOW, PEEK, REFUND, RESET, CHECK = Mode.ALLOW, Mode.PEEK, Mode.REFUND, Mode.RESET, Mode.CHECK
-RESERVE, CHARGE = Mode.RESERVE, Mode.CHARGE
+RESERVE, CHARGE, MANY = Mode.RESERVE, Mode.CHARGE, Mode.MANY
 
 #: The values the general form takes per key (bucket.lua): now, capacity, unit, p,
 #: cost, then 4 more (a reservation's max_wait; a give-back's line and cost).
@@ -75,12 +76,13 @@ def specialize(template: str, capacity: int, unit: int, p: int) -> str:
     """A limiter's own form of the script: ``template`` (bucket.lua) with the limiter's
     configuration written into the line marked ``config`` (its names: capacity, unit
     and p get the numbers, cost the script's ARGV[1], x where the 4 more start after
-    now), so that a call sends one key and at most seven arguments. A template whose
+    now, own ``true``), so that a call sends one key and at most seven arguments. A template whose
     line names only capacity, unit and p (an older bucket.lua, a study's variant)
     gets just those. Comment lines are dropped: Redis keeps one copy of each
     distinct script for as long as it runs."""
     own = {"capacity": str(capacity), "unit": str(unit), "p": str(p), "cost": "cost"}
     own["x"] = str(OWN_X)
+    own["own"] = "true"
 
     def written(match: re.Match[str]) -> str:
         names = [name.strip() for name in match.group(2).split(",")]
