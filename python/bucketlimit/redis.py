@@ -123,6 +123,11 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
     _other = "AsyncRedisTokenBucketLimiter for asyncio clients"
     _batching_default = False
 
+    @staticmethod
+    def _wake_event() -> threading.Event:
+        """What a waiting allow waits on (a method so that a test may swap it)."""
+        return threading.Event()
+
     def _drive(self, call: Call) -> Any:
         """Runs a call: sends each command it waits on and hands it the outcome."""
         answer = self._start(call)
@@ -171,14 +176,28 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         started = self._start(call)
         if started is not PENDING:
             return cast("Decision", started)
-        waiter = self._join(call, threading.Event)
+        waiter = self._join(call, self._wake_event)
         if waiter is None:
             try:
                 answer = self._send(call)
             finally:
                 self._hand_over()
             return answer
-        waiter.wake.wait()
+        try:
+            waiter.wake.wait()
+        except BaseException:
+            # Interrupted (KeyboardInterrupt): this allow is not sent; but if this
+            # thread was just made the one to send the next round trip, it sends it
+            # for the others first, so that no thread waits for ever.
+            with self._queue_lock:
+                waiter.gone = True
+                leading = waiter.lead
+            if leading is not None:
+                try:
+                    self._fly(leading)
+                finally:
+                    self._hand_over()
+            raise
         if waiter.lead is not None:  # this thread sends the next round trip
             try:
                 self._fly(waiter.lead)
@@ -187,17 +206,31 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         return cast("Decision", waiter.result())
 
     def _hand_over(self) -> None:
-        """A round trip of allows landed: the first waiter sends the next one."""
-        waiters = self._landed()
-        if waiters is not None:
-            waiters[0].lead = waiters
-            waiters[0].wake.set()
+        """A round trip of allows landed: the first waiter still there sends the next
+        one (when every waiter was interrupted, their allows are dropped)."""
+        while (waiters := self._landed()) is not None:
+            with self._queue_lock:
+                lead = next((waiter for waiter in waiters if not waiter.gone), None)
+                if lead is not None:
+                    lead.lead = waiters
+            if lead is not None:
+                lead.wake.set()
+                return
+            for waiter in waiters:
+                self._dropped(waiter.call)
 
     def _fly(self, waiters: list[Waiter]) -> None:
-        """One shared round trip per batch; every waiter gets its outcome."""
+        """One shared round trip per batch; every waiter gets its outcome (one
+        interrupted while it waited is dropped, not sent)."""
         outcomes: dict[int, Outcome] = {}
         try:
-            for runs in self._batches([waiter.call for waiter in waiters]):
+            live = []
+            for waiter in waiters:
+                if waiter.gone:
+                    self._dropped(waiter.call)
+                else:
+                    live.append(waiter)
+            for runs in self._batches([waiter.call for waiter in live]):
                 for batch in runs:
                     for call, outcome in zip(batch.calls, self._send_batch(batch), strict=True):
                         outcomes[id(call)] = outcome

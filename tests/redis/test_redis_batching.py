@@ -314,6 +314,80 @@ def test_threads_sharing_round_trips_charge_each_allow_once(
     assert redis_client.get(bucket("k", "threads:")).split()[0] == b"0"  # type: ignore[union-attr]
 
 
+class HeldClient(redis.Redis):
+    """Holds its first EVALSHA until ``release`` is set: a round trip in flight."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.first = True
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        if self.first and args and args[0] == "EVALSHA":
+            self.first = False
+            self.entered.set()
+            self.release.wait(10)
+        return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+
+class Interrupted(threading.Event):
+    def wait(self, timeout: float | None = None) -> bool:
+        raise KeyboardInterrupt
+
+
+def test_a_thread_interrupted_while_it_waits_leaves_no_thread_waiting(
+    redis_server: Any, redis_client: redis.Redis
+) -> None:
+    # A waiting thread hit by KeyboardInterrupt: its allow is not sent, and the
+    # next round trip is sent by the next waiter (nobody waits for ever).
+    made: list[threading.Event] = []
+    second_waits = threading.Event()
+
+    def wake() -> threading.Event:  # called as a waiter is queued, under the limiter's lock
+        made.append(Interrupted() if not made else threading.Event())
+        if len(made) == 2:
+            second_waits.set()
+        return made[-1]
+
+    class Limiter(RedisTokenBucketLimiter):
+        _wake_event = staticmethod(wake)
+
+    client = HeldClient(host="127.0.0.1", port=redis_server.port)
+    limiter = Limiter(client, 10, 0, prefix="interrupted:", batching=True)
+    results: dict[str, Any] = {}
+
+    def allow(name: str) -> None:
+        try:
+            results[name] = limiter.allow("k")
+        except KeyboardInterrupt as error:
+            results[name] = error
+
+    first = threading.Thread(target=allow, args=("first",))
+    first.start()
+    assert client.entered.wait(10)  # the first round trip is in flight
+    interrupted = threading.Thread(target=allow, args=("interrupted",))
+    interrupted.start()
+    interrupted.join(10)
+    second = threading.Thread(target=allow, args=("second",))
+    second.start()
+    assert second_waits.wait(10)  # the second allow waits for the next round trip
+    client.release.set()
+    for thread in (first, second):
+        thread.join(10)
+        assert not thread.is_alive()
+    assert isinstance(results["interrupted"], KeyboardInterrupt)
+    for name in ("first", "second"):
+        assert results[name].allowed
+        assert not results[name].degraded
+    stored = redis_client.get(bucket("k", "interrupted:"))
+    assert stored is not None
+    assert stored.split()[0] == b"8000000"  # 2 spent, not 3
+    assert limiter.stats()["allowed"] == 2
+    assert limiter.allow("k").allowed  # and the limiter goes on
+    client.close()
+
+
 # -- failures ---------------------------------------------------------------------------
 
 

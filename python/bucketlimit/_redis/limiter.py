@@ -264,13 +264,16 @@ class Waiter:
     limiter, when it must send the next round trip itself (``lead``: every waiter of
     that round trip, itself first)."""
 
-    __slots__ = ("call", "lead", "outcome", "wake")
+    __slots__ = ("call", "gone", "lead", "outcome", "wake")
 
     def __init__(self, call: Call, wake: Any) -> None:
         self.call = call
         self.wake = wake
         self.lead: list[Waiter] | None = None
         self.outcome: Outcome | None = None
+        # A sync waiter interrupted while it waited (KeyboardInterrupt): its allow
+        # is not sent, and it is never made the one that sends (set under the lock).
+        self.gone = False
 
     def result(self) -> Any:
         assert self.outcome is not None
