@@ -729,6 +729,111 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+LONE = "bucketlimit RedisTokenBucketLimiter.allow, no refusal cache"
+LIMITS_FIXED = "limits fixed window"
+DOCS_START, DOCS_END = "<!-- redis-scale: start -->", "<!-- redis-scale: end -->"
+
+
+def goals(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """Issue 13's Redis goals this run measured: (PASS or MISS, goal, measured)."""
+    out: list[tuple[str, str, str]] = []
+
+    def verdict(ok: bool) -> str:
+        return "PASS" if ok else "MISS"
+
+    server = results.get("server", {}).get("rows", {})
+    if LONE in server and LIMITS_FIXED in server:
+        limits = {w: server[LIMITS_FIXED][w]["us"] for w in ("allowed", "refused")}
+        lone = {w: server[LONE][w]["us"] / limits[w] for w in ("allowed", "refused")}
+        out.append(
+            (
+                verdict(lone["allowed"] <= 0.8),
+                "an allowed decision's server time <= 0.8x limits' fixed-window script",
+                f"{lone['allowed']:.2f}x one decision per call ({lone['refused']:.2f}x refused);"
+                " a script doing only TIME + GET + SET costs more than limits' one INCRBY"
+                " (benches/script_study/FINDINGS.md)",
+            )
+        )
+        for n in (8, 64):
+            name = f"{BATCHED}: allow_many, {n} per call"
+            if name in server:
+                ratio = server[name]["allowed"]["us"] / limits["allowed"]
+                out.append(
+                    (
+                        verdict(ratio <= 0.8),
+                        f"the same, decisions sharing a round trip ({n} per call)",
+                        f"{ratio:.2f}x",
+                    )
+                )
+    client = results.get("client", {}).get("rows", {})
+    allow = client.get("bucketlimit RedisTokenBucketLimiter.allow")
+    if allow:
+        ratio = allow["x_trivial_paired"]
+        out.append(
+            (
+                verdict(ratio <= 1.1),
+                "allow() on one connection <= 1.1x a trivial EVALSHA",
+                f"{ratio:.2f}x: the script's own server time is inside every round trip",
+            )
+        )
+    tasks = results.get("asyncio", {}).get("results", {})
+    if BATCHED in tasks and "64 tasks" in tasks[BATCHED]:
+        ours = tasks[BATCHED]["64 tasks"]["decisions_per_s"]
+        peers_64 = {
+            name: by["64 tasks"]["decisions_per_s"]
+            for name, by in tasks.items()
+            if not name.startswith(("bucketlimit", "trivial")) and "64 tasks" in by
+        }
+        if peers_64:
+            best, best_rate = max(peers_64.items(), key=lambda item: item[1])
+            out.append(
+                (
+                    verdict(ours >= 3 * best_rate),
+                    "one asyncio process, 64 tasks: >= 3x the best peer's decisions/s",
+                    f"{ours / best_rate:.1f}x ({ours:,.0f}/s;"
+                    f" best peer {best}, {best_rate:,.0f}/s)",
+                )
+            )
+    return out
+
+
+def docs_section(results: dict[str, Any]) -> str:
+    """The "Redis at scale" section of docs/benchmarks.md: goals, then the tables."""
+    rows = [f"| {v} | {goal} | {measured} |" for v, goal, measured in goals(results)]
+    return "\n".join(
+        [
+            DOCS_START,
+            "## Redis at scale (issue 13)",
+            "",
+            "Written by `python -m benches.redis_scale --docs docs/benchmarks.md` (`make bench`"
+            " runs it after `benches/run.py`). Server time is `INFO commandstats` per command"
+            " the client sent (a script's inner commands counted once, inside it), median over"
+            " interleaved batches, the lower quartile in brackets; see the module's docstring.",
+            "",
+            "| | goal | measured |",
+            "| --- | --- | --- |",
+            *rows,
+            "",
+            markdown(results),
+            DOCS_END,
+            "",
+        ]
+    )
+
+
+def write_docs(path: Path, results: dict[str, Any]) -> None:
+    """Puts the section into ``path``, in place of an earlier one, else at the end."""
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    section = docs_section(results)
+    if DOCS_START in text and DOCS_END in text:
+        head, rest = text.split(DOCS_START, 1)
+        tail = rest.split(DOCS_END, 1)[1].lstrip("\n")
+        text = head + section + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text, encoding="utf-8")
+
+
 # --- main ---------------------------------------------------------------------------------
 
 
@@ -742,6 +847,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     parser.add_argument("--markdown", type=Path, help="also write the tables here (Markdown)")
+    parser.add_argument(
+        "--docs", type=Path, help="write the goals and tables into this file's Redis section"
+    )
     parser.add_argument(
         "--from-json", type=Path, help="measure nothing: the Markdown tables of a --json file"
     )
@@ -818,6 +926,9 @@ def main() -> None:
     if args.markdown:
         args.markdown.write_text(markdown(results) + "\n")
         print(f"  wrote {args.markdown}")
+    if args.docs:
+        write_docs(args.docs, results)
+        print(f"  wrote the Redis section of {args.docs}")
 
 
 if __name__ == "__main__":

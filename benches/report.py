@@ -26,12 +26,13 @@ def _verdict(target: str, ok: bool, measured: str) -> dict[str, str]:
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, str]]:
-    """Every target of issue 6 that this run measured, with PASS or MISS."""
+    """Every target of issues 6 and 13 that this run measured, with PASS or MISS
+    (issue 13 lowered the 10,000-key target from 2.0x to 1.8x)."""
     out = []
     inproc = results.get("inproc")
     if inproc:
         w = inproc["workloads"]
-        for keys, limit in [("1 key", 1.5), ("10,000 keys", 2.0)]:
+        for keys, limit in [("1 key", 1.5), ("10,000 keys", 1.8)]:
             ratios = {
                 name: rows[US]["x_floor"] for name, rows in w.items() if name.startswith(keys)
             }
@@ -208,7 +209,7 @@ def write_markdown(results: dict[str, Any], verdicts: list[dict[str, str]], path
         "",
         "![bucketlimit next to the PyO3 floor and the other limiters](benchmarks.png)",
         "",
-        "## Targets (issue 6)",
+        "## Targets (issues 6 and 13, in process)",
         "",
         "| | target | measured |",
         "| --- | --- | --- |",
