@@ -57,7 +57,7 @@ check: lint test ## everything CI runs
 .PHONY: bench
 bench: ## side-by-side benchmarks against other limiters; writes docs/benchmarks.md
 	$(PY) benches/run.py
-	$(PY) -m benches.redis_scale --no-cell --sections server,client,asyncio,processes --docs docs/benchmarks.md
+	$(PY) -m benches.redis_scale --sections server,client,asyncio,processes --docs docs/benchmarks.md
 
 .PHONY: bench-redis
 bench-redis: ## Redis at scale: server time per decision, throughput, the script study (prints)
