@@ -310,6 +310,27 @@ impl Bucket {
         (decision, bucket)
     }
 
+    /// This (already refilled) bucket after an upstream's report, at `now`
+    /// (docs/design.md §4, "Following the upstream"): its balance becomes at most
+    /// the report's bound, never more than it was, down to the debt bound. The
+    /// cap line stays, as for a charge (the upstream spent those tokens; a
+    /// reservation's give-back still comes back). Answers the bucket as it
+    /// stands: allowed when it holds a token, `retry_after` the wait for one.
+    #[must_use]
+    pub fn observed(self, config: &Config, report: &Report, now: i64) -> (Decision, Bucket) {
+        let bucket = match report.bound(config, now) {
+            Some(bound) if bound < self.balance() => {
+                let removed = (self.balance() - bound) as u128;
+                self.with_balance(config, bound, self.headroom() + removed)
+            }
+            _ => self,
+        };
+        let unit = config.unit as i128;
+        let missing = (unit - bucket.balance()).max(0) as u128;
+        let decision = bucket.describe(config, missing == 0, wait_for(config, missing));
+        (decision, bucket)
+    }
+
     /// A decision reporting this bucket's state as it stands.
     #[must_use]
     #[inline(always)]
@@ -374,6 +395,90 @@ impl Bucket {
             .and_then(|added| i128::try_from(added).ok())
             .and_then(|added| line.cap.checked_add(added))
             == Some(self.cap())
+    }
+}
+
+/// What an upstream reported about a key, as one bound on the bucket
+/// (docs/design.md §4, "Following the upstream"): the bucket may hold at most
+/// `cap` units at the microsecond `at`, and at most `cap` plus its own refill
+/// since then at any later time. `cap` is at least the debt bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Report {
+    pub cap: i128,
+    pub at: i64,
+}
+
+impl Report {
+    /// The bound an upstream's words set at `at`: `remaining` tokens left; its
+    /// `limit` (the limiter's capacity when not said); `reset_after`, the µs
+    /// after `at` until it is full again, refilling steadily (`Some(None)`:
+    /// never); `retry_after`, the µs after `at` before it accepts anything (a
+    /// 429's hold; `Some(None)`: never). Three bounds, each a point on the
+    /// bucket's own refill line, so the lowest is the one kept:
+    /// - the bucket holds at most `min(remaining, limit)` tokens at `at`;
+    /// - it reaches `m = min(capacity, limit)` tokens no sooner than the
+    ///   upstream does (`reset_after` said): `m` less its own refill until then;
+    /// - during a hold it holds less than a token: one token at its end.
+    #[must_use]
+    pub fn new(
+        config: &Config,
+        remaining: u64,
+        limit: Option<u64>,
+        reset_after: Option<Wait>,
+        retry_after: Option<Wait>,
+        at: i64,
+    ) -> Report {
+        let unit = config.unit as i128;
+        let floor = -((MAX_DEBT_CAPACITIES * config.full) as i128);
+        let limit_given = limit.unwrap_or(config.capacity);
+        let left = remaining.min(limit_given);
+        let mut cap = i128::from(left.min(config.capacity)) * unit;
+        if config.per_micro == 0 {
+            // A quota never refills: a reset or a hold, which are about refill,
+            // bound nothing; the report can only lower it to what remains.
+            return Report { cap, at };
+        }
+        // `level` tokens less the refill of `wait` µs (`None`: never, the debt
+        // bound): the bucket's line through the point (at + wait, level).
+        let line = |level: u64, wait: Wait| -> i128 {
+            wait.and_then(|w| w.checked_mul(config.per_micro))
+                .and_then(|units| i128::try_from(units).ok())
+                .map_or(floor, |units| (i128::from(level) * unit - units).max(floor))
+        };
+        if let Some(reset) = reset_after {
+            let m = config.capacity.min(limit_given);
+            if left < m {
+                // The upstream goes from `left` to `limit` in `reset` µs: it holds
+                // `m` after ceil((m - left) * reset / (limit - left)) µs.
+                let until_m = reset.and_then(|reset| {
+                    u128::from(m - left)
+                        .checked_mul(reset)
+                        .map(|x| x.div_ceil(u128::from(limit_given - left)))
+                });
+                cap = cap.min(line(m, until_m));
+            }
+        }
+        if let Some(hold) = retry_after {
+            cap = cap.min(line(1, hold));
+        }
+        Report {
+            cap: cap.max(floor),
+            at,
+        }
+    }
+
+    /// The most units the bucket may hold at `now`: `cap` refilled since `at` at
+    /// the limiter's rate (a report from the future counts as now); `None` when
+    /// that is a full bucket or more, which bounds nothing.
+    #[must_use]
+    pub fn bound(&self, config: &Config, now: i64) -> Option<i128> {
+        let full = config.full as i128;
+        let missing = (full - self.cap) as u128; // cap <= full
+        let elapsed = u64::try_from(i128::from(now) - i128::from(self.at)).unwrap_or(0);
+        match refill(config, elapsed) {
+            Some(added) if added < missing => Some(self.cap + added as i128),
+            _ => None,
+        }
     }
 }
 
@@ -612,6 +717,103 @@ mod tests {
         assert!(b.given_back(&c, 5, None).is_full(&c));
     }
 
+    const S: u128 = 1_000_000;
+
+    fn report(c: &Config, remaining: u64, at: i64) -> Report {
+        Report::new(c, remaining, None, None, None, at)
+    }
+
+    #[test]
+    fn a_report_lowers_the_bucket_and_never_raises_it() {
+        let c = config(100, 10.0);
+        let (d, b) = Bucket::full(&c, 0).observed(&c, &report(&c, 30, 0), 0);
+        assert_eq!(b.balance(), 30 * c.unit as i128);
+        assert!(d.allowed);
+        assert_eq!((d.remaining, d.reset_after), (30, Some(7 * S)));
+        let (d, same) = b.observed(&c, &report(&c, 80, 0), 0);
+        assert_eq!((same, d.remaining), (b, 30));
+        // More than the capacity bounds nothing.
+        let (_, full) = Bucket::full(&c, 0).observed(&c, &report(&c, u64::MAX, 0), 0);
+        assert!(full.is_full(&c));
+    }
+
+    #[test]
+    fn a_stale_report_is_refilled_to_now() {
+        // "0 left" 5 s ago at 10 tokens/s bounds the bucket at 50 now.
+        let c = config(100, 10.0);
+        let (d, b) = Bucket::full(&c, 5 * S as i64).observed(&c, &report(&c, 0, 0), 5 * S as i64);
+        assert_eq!((d.remaining, b.balance()), (50, 50 * c.unit as i128));
+        // A report from the future counts as now.
+        let (d, _) = Bucket::full(&c, 0).observed(&c, &report(&c, 20, 9 * S as i64), 0);
+        assert_eq!(d.remaining, 20);
+    }
+
+    #[test]
+    fn the_bucket_reaches_the_upstreams_limit_no_sooner_than_the_upstream() {
+        // Configured 10 % above the upstream: capacity 110 at 11/s, the upstream's
+        // limit 100 at 10/s. Empty upstream (full in 10 s): the bucket must not hold
+        // 100 before 10 s, so now it owes 10 tokens.
+        let c = config(110, 11.0);
+        let r = Report::new(&c, 0, Some(100), Some(Some(10 * S)), None, 0);
+        assert_eq!(r.cap, -10 * c.unit as i128);
+        let (d, b) = Bucket::full(&c, 0).observed(&c, &r, 0);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after, Some(S)); // 11 tokens at 11/s
+        assert_eq!(
+            b.refilled(&c, 10 * S as i64).balance(),
+            100 * c.unit as i128
+        );
+        // Half full (50 of 100, full in 5 s): 100 - 11 * 5 = 45 now.
+        let r = Report::new(&c, 50, Some(100), Some(Some(5 * S)), None, 0);
+        assert_eq!(r.cap, 45 * c.unit as i128);
+        // Without a limit it is the capacity: 110 - 11 * 2 at 2 s to full.
+        let r = Report::new(&c, 88, None, Some(Some(2 * S)), None, 0);
+        assert_eq!(r.cap, 88 * c.unit as i128);
+        // A limiter below the upstream (capacity 10 of 100, same rate): only what
+        // remains matters, once it covers the capacity.
+        let small = config(10, 10.0);
+        let r = Report::new(&small, 20, Some(100), Some(Some(8 * S)), None, 0);
+        assert_eq!(r.cap, 10 * small.unit as i128);
+    }
+
+    #[test]
+    fn a_hold_lets_no_token_pass_before_its_end() {
+        let c = config(10, 2.0);
+        let r = Report::new(&c, 0, None, None, Some(Some(3 * S)), 0);
+        let (d, b) = Bucket::full(&c, 0).observed(&c, &r, 0);
+        assert_eq!(d.retry_after, Some(3 * S));
+        let end = 3 * S as i64;
+        assert!(!b.refilled(&c, end - 1).decide(&c, 1).0.allowed);
+        assert!(b.refilled(&c, end).decide(&c, 1).0.allowed);
+        // Never: the debt bound.
+        let r = Report::new(&c, 0, None, None, Some(None), 0);
+        assert_eq!(r.cap, -((MAX_DEBT_CAPACITIES * c.full) as i128));
+    }
+
+    #[test]
+    fn a_quota_is_only_lowered_to_what_remains() {
+        let c = config(10, 0.0);
+        let r = Report::new(&c, 4, Some(10), Some(Some(S)), Some(Some(S)), 0);
+        assert_eq!(r.cap, 4 * c.unit as i128);
+        assert_eq!(r.bound(&c, i64::MAX), Some(r.cap));
+    }
+
+    #[test]
+    fn a_waiters_cancel_still_comes_back_after_a_report() {
+        // The report takes what the upstream spent; the waiter's tokens never
+        // reached it, so its cancel gives them back.
+        let c = config(10, 1.0);
+        let before = Bucket::full(&c, 0);
+        let (_, b) = before.reserve(&c, 10, None);
+        let (_, waiting) = b.reserve(&c, 5, None);
+        let line = waiting.waiting_line(&b, 5);
+        let r = Report::new(&c, 0, None, None, Some(Some(8 * S)), 0);
+        let (_, observed) = waiting.observed(&c, &r, 0);
+        assert_eq!(observed.balance(), -7 * c.unit as i128);
+        let back = observed.given_back(&c, 5, line);
+        assert_eq!(back.balance(), -2 * c.unit as i128);
+    }
+
     fn arb_config() -> impl Strategy<Value = Config> {
         (1i128..1000, 0u32..5000, 0u32..4, 1u32..100).prop_map(|(cap, rate, dec, per)| {
             let rate = f64::from(rate) / 10f64.powi(dec as i32);
@@ -756,6 +958,58 @@ mod tests {
                         "window {}..{} µs holds {} units", used[i].0, used[j].0, total
                     );
                 }
+            }
+        }
+
+        /// A report never raises the bucket, leaves it within the report's bound
+        /// and the debt bound, and two reports give one bucket in either order.
+        #[test]
+        fn reports_only_lower_and_commute(
+            c in arb_config(),
+            spent in 0u64..2000,
+            words in prop::collection::vec(
+                (0u64..1500, prop::option::of(0u64..1500), prop::option::of(0u128..20_000_000),
+                 prop::option::of(0u128..5_000_000), 0i64..10_000_000),
+                2..3),
+            now in 0i64..10_000_000,
+        ) {
+            let (_, b) = Bucket::full(&c, 0).charged(&c, spent.max(1));
+            let b = b.refilled(&c, now);
+            let reports: Vec<Report> = words
+                .iter()
+                .map(|&(r, l, reset, hold, at)| Report::new(&c, r, l, reset.map(Some), hold.map(Some), at))
+                .collect();
+            let (_, one) = b.observed(&c, &reports[0], now);
+            prop_assert!(one.balance() <= b.balance(), "never raised");
+            prop_assert!(one.balance() >= -((MAX_DEBT_CAPACITIES * c.full) as i128));
+            if let Some(bound) = reports[0].bound(&c, now) {
+                prop_assert!(one.balance() <= bound.max(-((MAX_DEBT_CAPACITIES * c.full) as i128)));
+            }
+            let (_, ab) = one.observed(&c, &reports[1], now);
+            let (_, ba) = b.observed(&c, &reports[1], now).1.observed(&c, &reports[0], now);
+            prop_assert_eq!(ab.balance(), ba.balance());
+            prop_assert!(ab.headroom() <= (c.full as i128 - ab.balance()) as u128);
+        }
+
+        /// After a hold of `h` µs nothing passes before its end, whatever the
+        /// bucket held; one token passes at it when the hold is all that bounds.
+        #[test]
+        fn nothing_passes_during_a_hold(
+            c in arb_config(),
+            spent in 0u64..1000,
+            hold in 1u128..5_000_000,
+            cost in 1u64..1000,
+        ) {
+            prop_assume!(c.per_micro > 0);
+            let (_, b) = Bucket::full(&c, 0).decide(&c, spent.min(c.capacity));
+            // Only the hold: what remains is said to be plenty.
+            let r = Report::new(&c, u64::MAX, None, None, Some(Some(hold)), 0);
+            let (d, held) = b.observed(&c, &r, 0);
+            prop_assert!(d.retry_after >= Some(hold));
+            let end = hold as i64;
+            prop_assert!(!held.refilled(&c, end - 1).decide(&c, cost.min(c.capacity)).0.allowed);
+            if r.cap > -((MAX_DEBT_CAPACITIES * c.full) as i128) && b.balance() >= r.cap {
+                prop_assert!(held.refilled(&c, end).decide(&c, 1).0.allowed);
             }
         }
 

@@ -21,6 +21,8 @@ pub enum Error {
     Cost(String),
     /// Cost above capacity: the request could never pass.
     CostAboveCapacity { cost: i128, capacity: u64 },
+    /// A charge (use that already happened) beyond 2^64 - 1 tokens.
+    ChargeTooLarge(String),
     /// An empty key (a missing user id would share one bucket).
     EmptyKey,
     /// A key longer than [`MAX_KEY_BYTES`].
@@ -31,6 +33,13 @@ pub enum Error {
     DuplicateCheck(String),
     /// An `allow_all` with nothing to check.
     NoChecks,
+    /// A concurrency limit outside 1 ..= 2^32 − 1.
+    Limit(String),
+    /// A permit's ttl that is not a finite number of seconds of at least a
+    /// microsecond.
+    Ttl(String),
+    /// A concurrency check asking for other than one permit.
+    Permits(String),
 }
 
 impl fmt::Display for Error {
@@ -49,6 +58,10 @@ impl fmt::Display for Error {
                 f,
                 "cost {cost} exceeds capacity {capacity}: the request could never pass"
             ),
+            Error::ChargeTooLarge(v) => write!(
+                f,
+                "the cost of a charge must be at most 2**64 - 1 tokens, got {v}"
+            ),
             Error::EmptyKey => write!(
                 f,
                 "key must not be empty (a missing id would share one bucket)"
@@ -66,6 +79,16 @@ impl fmt::Display for Error {
                 "allow_all got the same (limiter, key) twice: key {key:?}"
             ),
             Error::NoChecks => write!(f, "allow_all needs at least one (limiter, key)"),
+            Error::Limit(v) => write!(f, "limit must be an int from 1 to 4294967295, got {v}"),
+            Error::Ttl(v) => write!(
+                f,
+                "ttl must be a finite number of seconds >= 0.000001 (and within +/-2**62 \
+                 microseconds), got {v}"
+            ),
+            Error::Permits(v) => write!(
+                f,
+                "a concurrency limiter's check takes one permit: its cost must be 1, got {v}"
+            ),
         }
     }
 }

@@ -1,13 +1,20 @@
 //! bucketlimit's native core: an exact token-bucket limiter.
 //!
-//! `rate`, `bucket`, `registry`, `clock` and `error` are plain Rust with their
-//! own tests; `py` is the thin `PyO3` layer; this file registers the module.
+//! `rate`, `bucket`, `registry`, `concurrency`, `lease`, `clock` and `error` are
+//! plain Rust with their own tests; `py`, `py_reserve`, `py_concurrency`,
+//! `py_lease` and `py_types` (what they share) are the thin `PyO3` layer; this
+//! file registers the module.
 
 pub mod bucket;
 pub mod clock;
+pub mod concurrency;
 pub mod error;
+pub mod lease;
 mod py;
+mod py_concurrency;
+mod py_lease;
 mod py_reserve;
+mod py_types;
 pub mod rate;
 pub mod registry;
 
@@ -21,10 +28,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Installing fails only if this module's logger is already set; ignore.
     let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?.install();
     clock::start_monotonic();
-    m.add_class::<py::Decision>()?;
-    m.add_class::<py::TokenBucketLimiter>()?;
+    m.add_class::<py_types::Decision>()?;
+    m.add_class::<py_types::TokenBucketLimiter>()?;
     m.add_class::<py_reserve::Reservation>()?;
     m.add_class::<py_reserve::Acquiring>()?;
+    m.add_class::<py_types::ConcurrencyLimiter>()?;
+    m.add_class::<py_types::Permit>()?;
+    m.add_class::<py_concurrency::AcquiringPermit>()?;
+    m.add_class::<py_lease::Leases>()?;
     m.add_function(wrap_pyfunction!(py::allow_all, m)?)?;
     m.add_function(wrap_pyfunction!(py::reserve_all, m)?)?;
     m.add_function(wrap_pyfunction!(py::acquire_all, m)?)?;
@@ -32,9 +43,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_DEBT_CAPACITIES", bucket::MAX_DEBT_CAPACITIES)?;
     // For the Python layer (Redis limiter): the same rules, not a copy.
     m.add_function(wrap_pyfunction!(py::exact_units, m)?)?;
+    m.add_function(wrap_pyfunction!(py::observation_cap, m)?)?;
     m.add_function(wrap_pyfunction!(py::clock_to_micros, m)?)?;
     m.add_function(wrap_pyfunction!(py::check_key, m)?)?;
     m.add_function(wrap_pyfunction!(py::check_cost, m)?)?;
+    m.add_function(wrap_pyfunction!(py::check_charge, m)?)?;
     m.add("MAX_KEY_BYTES", error::MAX_KEY_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,399 +1,22 @@
-//! The binding: converts Python values to core values and core errors to
-//! Python exceptions, and nothing else. Types are checked here (`TypeError`);
-//! values are checked by the core (`ValueError`, via one `From` impl).
+//! The binding of the limiter: `TokenBucketLimiter`'s methods and the
+//! module's functions. Types are checked here (`TypeError`, with the
+//! conversions of `py_types`); values are checked by the core (`ValueError`).
 
-use std::hash::{DefaultHasher, Hash, Hasher};
-
-use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString, PyTuple};
+use pyo3::types::{PyDict, PyString};
 use pyo3::PyTraverseError;
 
-use crate::bucket::{self, Wait};
-use crate::clock;
-use crate::error::Error;
+use crate::bucket::{Report, Wait};
+use crate::py_concurrency;
 use crate::py_reserve;
+use crate::py_types::{
+    clock_arg, clock_micros, count, integer, max_keys_arg, number, Cost, Decision, Key, Per,
+    TokenBucketLimiter,
+};
 use crate::rate::{Config, Number};
 use crate::registry::Registry;
-
-impl From<Error> for PyErr {
-    fn from(error: Error) -> PyErr {
-        match error {
-            Error::Capacity(_)
-            | Error::Rate(_)
-            | Error::Per(_)
-            | Error::OutOfRange { .. }
-            | Error::Cost(_)
-            | Error::CostAboveCapacity { .. }
-            | Error::EmptyKey
-            | Error::KeyTooLong(_)
-            | Error::Clock(_)
-            | Error::DuplicateCheck(_)
-            | Error::NoChecks => PyValueError::new_err(error.to_string()),
-        }
-    }
-}
-
-pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map_or_else(|_| "?".to_owned(), |n| n.to_string())
-}
-
-pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
-    obj.repr()
-        .map_or_else(|_| "?".to_owned(), |r| r.to_string())
-}
-
-/// An integer as the bad-input table defines it: an `int` or anything with
-/// `__index__`, never a `bool` or a `float`. Values beyond i128 are a
-/// `ValueError` (never `PyO3`'s `OverflowError`).
-pub(crate) fn integer(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i128> {
-    if obj.is_instance_of::<PyBool>() || obj.is_instance_of::<PyFloat>() {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be an int, got {} {}",
-            type_name(obj),
-            repr(obj)
-        )));
-    }
-    match obj.extract::<i64>() {
-        Ok(i) => Ok(i128::from(i)),
-        Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
-            obj.extract::<i128>().map_err(|_| {
-                PyValueError::new_err(format!(
-                    "{name} {} is beyond the exact range of the limiter",
-                    repr(obj)
-                ))
-            })
-        }
-        Err(_) => Err(PyTypeError::new_err(format!(
-            "{name} must be an int, got {}",
-            type_name(obj)
-        ))),
-    }
-}
-
-/// A rate or `per`: an int (or `__index__`) or a float, never a `bool`.
-fn number(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Number> {
-    if let Ok(float) = obj.cast::<PyFloat>() {
-        return Ok(Number::Float(float.value()));
-    }
-    if obj.is_instance_of::<PyBool>() {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be an int or float, got bool"
-        )));
-    }
-    match integer(obj, name) {
-        Ok(i) => Ok(Number::Int(i)),
-        Err(e) if e.is_instance_of::<PyTypeError>(obj.py()) => Err(PyTypeError::new_err(format!(
-            "{name} must be an int or float, got {}",
-            type_name(obj)
-        ))),
-        Err(e) => Err(e),
-    }
-}
-
-/// A clock's reading, converted to microseconds.
-fn clock_micros(value: &Bound<'_, PyAny>) -> PyResult<i64> {
-    if let Ok(float) = value.cast::<PyFloat>() {
-        return Ok(clock::float_seconds_to_micros(float.value())?);
-    }
-    match integer(value, "clock") {
-        Ok(seconds) => Ok(clock::int_seconds_to_micros(seconds)?),
-        Err(e) if e.is_instance_of::<PyTypeError>(value.py()) => {
-            Err(PyTypeError::new_err(format!(
-                "clock must return seconds as an int or float, got {}",
-                type_name(value)
-            )))
-        }
-        Err(_) => Err(Error::Clock(repr(value)).into()),
-    }
-}
-
-/// A cost argument: checked for type here, for value by the core.
-pub struct Cost(i128);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Cost {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Cost> {
-        integer(&obj, "cost").map(Cost)
-    }
-}
-
-/// The `per` argument.
-pub struct Per(Number);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Per {
-    type Error = PyErr;
-
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Per> {
-        number(&obj, "per").map(Per)
-    }
-}
-
-/// A key argument: a `str` (checked here) that encodes as UTF-8.
-pub struct Key<'a, 'py>(pub(crate) Borrowed<'a, 'py, PyString>);
-
-impl<'a, 'py> FromPyObject<'a, 'py> for Key<'a, 'py> {
-    type Error = PyErr;
-
-    #[inline]
-    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Key<'a, 'py>> {
-        match obj.cast::<PyString>() {
-            Ok(key) => Ok(Key(key)),
-            Err(_) => Err(PyTypeError::new_err(format!(
-                "key must be a str, got {}",
-                type_name(&obj)
-            ))),
-        }
-    }
-}
-
-impl Key<'_, '_> {
-    #[inline]
-    pub(crate) fn as_str(&self) -> PyResult<&str> {
-        self.0
-            .to_str()
-            .map_err(|e| PyValueError::new_err(format!("key is not encodable as UTF-8: {e}")))
-    }
-}
-
-/// A key already checked to be a `str`, as UTF-8.
-pub(crate) fn key_str<'a>(key: &'a Bound<'_, PyString>) -> PyResult<&'a str> {
-    key.to_str()
-        .map_err(|e| PyValueError::new_err(format!("key is not encodable as UTF-8: {e}")))
-}
-
-/// Seconds as a float; `inf` when the wait never ends.
-#[inline]
-pub(crate) fn seconds(wait: Wait) -> f64 {
-    wait.map_or(f64::INFINITY, |micros| {
-        // `u128 as f64` is a slow software routine; real waits fit in u64,
-        // whose conversion is one instruction. Longer ones (a deep debt at a
-        // tiny rate) take the routine: correctly rounded, as Python's float().
-        // The routine stays out of line: inlined, LLVM merges both branches
-        // back into the routine (measured: two calls per `allow`).
-        let micros = u64::try_from(micros).map_or_else(|_| wide_to_f64(micros), |m| m as f64);
-        micros / 1_000_000.0
-    })
-}
-
-#[cold]
-#[inline(never)]
-fn wide_to_f64(micros: u128) -> f64 {
-    micros as f64
-}
-
-// The fields of a `Decision` built from Python, checked like every other input
-// (docs/design.md §3): `TypeError` for the wrong type, `ValueError` for the wrong
-// value, never PyO3's `OverflowError`.
-
-fn flag(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
-    obj.cast::<PyBool>()
-        .map(PyBoolMethods::is_true)
-        .map_err(|_| PyTypeError::new_err(format!("{name} must be a bool, got {}", type_name(obj))))
-}
-
-/// Seconds of a wait: an int or float, >= 0 (`inf`: never), not NaN.
-fn wait_seconds(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
-    if let Ok(float) = obj.cast_exact::<PyFloat>() {
-        let seconds = float.value();
-        if seconds >= 0.0 {
-            return Ok(seconds); // the common case, in a few instructions
-        }
-    }
-    let seconds = match number(obj, name)? {
-        Number::Float(x) => x,
-        Number::Int(i) => i as f64,
-    };
-    if seconds >= 0.0 {
-        Ok(seconds)
-    } else {
-        Err(PyValueError::new_err(format!(
-            "{name} must be >= 0 seconds (inf: never), got {}",
-            repr(obj)
-        )))
-    }
-}
-
-/// A count of tokens: an int from 0 to 2**64 - 1.
-fn count(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        if let Ok(n) = obj.extract::<u64>() {
-            return Ok(n); // the common case
-        }
-    }
-    let n = integer(obj, name)?;
-    u64::try_from(n).map_err(|_| {
-        PyValueError::new_err(format!(
-            "{name} must be an int from 0 to 2**64 - 1, got {}",
-            repr(obj)
-        ))
-    })
-}
-
-/// The answer to one request: immutable, truthy when allowed.
-///
-/// No `freelist`: `PyO3` 0.30's takes a `std` mutex to allocate and again to
-/// free, which costs more than `CPython`'s own allocator (the benchmark floor's
-/// no-op call: 70 ns with one, 57 ns without, same run).
-#[pyclass(frozen, module = "bucketlimit._core")]
-pub struct Decision {
-    #[pyo3(get)]
-    allowed: bool,
-    #[pyo3(get)]
-    retry_after: f64,
-    #[pyo3(get)]
-    remaining: u64,
-    #[pyo3(get)]
-    reset_after: f64,
-    #[pyo3(get)]
-    limit: u64,
-    #[pyo3(get)]
-    degraded: bool,
-}
-
-impl Decision {
-    #[inline]
-    pub(crate) fn of(d: bucket::Decision, degraded: bool) -> Decision {
-        Decision {
-            allowed: d.allowed,
-            retry_after: seconds(d.retry_after),
-            remaining: d.remaining,
-            reset_after: seconds(d.reset_after),
-            limit: d.limit,
-            degraded,
-        }
-    }
-}
-
-impl Decision {
-    pub(crate) fn copy(&self) -> Decision {
-        Decision { ..*self }
-    }
-
-    pub(crate) fn allowed(&self) -> bool {
-        self.allowed
-    }
-
-    fn fields(&self) -> (bool, f64, u64, f64, u64, bool) {
-        (
-            self.allowed,
-            self.retry_after,
-            self.remaining,
-            self.reset_after,
-            self.limit,
-            self.degraded,
-        )
-    }
-}
-
-#[pymethods]
-impl Decision {
-    #[new]
-    #[pyo3(signature = (allowed, retry_after, remaining, reset_after, limit, degraded = None))]
-    #[pyo3(
-        text_signature = "(allowed, retry_after, remaining, reset_after, limit, degraded=False)"
-    )]
-    fn new(
-        allowed: &Bound<'_, PyAny>,
-        retry_after: &Bound<'_, PyAny>,
-        remaining: &Bound<'_, PyAny>,
-        reset_after: &Bound<'_, PyAny>,
-        limit: &Bound<'_, PyAny>,
-        degraded: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Decision> {
-        Ok(Decision {
-            allowed: flag(allowed, "allowed")?,
-            retry_after: wait_seconds(retry_after, "retry_after")?,
-            remaining: count(remaining, "remaining")?,
-            reset_after: wait_seconds(reset_after, "reset_after")?,
-            limit: count(limit, "limit")?,
-            degraded: degraded.map_or(Ok(false), |d| flag(d, "degraded"))?,
-        })
-    }
-
-    fn __bool__(&self) -> bool {
-        self.allowed
-    }
-
-    fn __repr__(&self, py: Python<'_>) -> String {
-        let float = |x: f64| repr(PyFloat::new(py, x).as_any());
-        let title = |b: bool| if b { "True" } else { "False" };
-        format!(
-            "Decision(allowed={}, retry_after={}, remaining={}, reset_after={}, limit={}, degraded={})",
-            title(self.allowed),
-            float(self.retry_after),
-            self.remaining,
-            float(self.reset_after),
-            self.limit,
-            title(self.degraded)
-        )
-    }
-
-    fn __eq__(&self, other: &Bound<'_, Decision>) -> bool {
-        self.fields() == other.get().fields()
-    }
-
-    fn __hash__(&self) -> u64 {
-        let mut h = DefaultHasher::new();
-        (
-            self.allowed,
-            self.retry_after.to_bits(),
-            self.remaining,
-            self.reset_after.to_bits(),
-            self.limit,
-            self.degraded,
-        )
-            .hash(&mut h);
-        // Python reserves -1; keep the hash in the positive range.
-        h.finish() >> 1
-    }
-
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Decision>,
-    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
-        let args = slf.get().fields().into_pyobject(slf.py())?;
-        Ok((slf.get_type().into_any(), args))
-    }
-}
-
-/// An in-process token-bucket limiter: one bucket per key.
-#[pyclass(frozen, module = "bucketlimit._core")]
-pub struct TokenBucketLimiter {
-    pub(crate) registry: Registry,
-    clock: Option<Py<PyAny>>,
-    per: f64,
-    max_keys: Option<usize>,
-    /// Every answer is marked degraded: a distributed limiter's local fallback.
-    degraded: bool,
-}
-
-impl TokenBucketLimiter {
-    /// Reads the clock. Always before the registry lock is taken: the clock
-    /// may be Python code, which must never run under the lock.
-    #[inline(always)]
-    pub(crate) fn now(&self, py: Python<'_>) -> PyResult<i64> {
-        match &self.clock {
-            None => Ok(clock::monotonic_micros()),
-            Some(clock) => clock_micros(&clock.bind(py).call0()?),
-        }
-    }
-
-    pub(crate) fn config(&self) -> &Config {
-        self.registry.config()
-    }
-
-    pub(crate) fn clock(&self) -> Option<&Py<PyAny>> {
-        self.clock.as_ref()
-    }
-
-    pub(crate) fn degraded(&self) -> bool {
-        self.degraded
-    }
-}
 
 #[pymethods]
 impl TokenBucketLimiter {
@@ -409,26 +32,8 @@ impl TokenBucketLimiter {
     ) -> PyResult<TokenBucketLimiter> {
         let capacity = integer(capacity, "capacity")?;
         let rate = number(rate, "rate")?;
-        if let Some(clock) = &clock {
-            if !clock.is_callable() {
-                return Err(PyTypeError::new_err(format!(
-                    "clock must be a zero-argument callable returning seconds, got {}",
-                    type_name(clock)
-                )));
-            }
-        }
-        let max_keys = match max_keys {
-            None => None,
-            Some(obj) => {
-                let n = integer(obj, "max_keys")?;
-                if n < 1 {
-                    return Err(PyValueError::new_err(format!(
-                        "max_keys must be >= 1 or None, got {n}"
-                    )));
-                }
-                Some(usize::try_from(n).unwrap_or(usize::MAX))
-            }
-        };
+        let clock = clock_arg(clock)?;
+        let max_keys = max_keys_arg(max_keys)?;
         let per_seconds = match per.0 {
             Number::Int(i) => i as f64,
             Number::Float(x) => x,
@@ -436,7 +41,7 @@ impl TokenBucketLimiter {
         let config = Config::new(capacity, rate, per.0)?;
         Ok(TokenBucketLimiter {
             registry: Registry::new(config, max_keys),
-            clock: clock.map(Bound::unbind),
+            clock,
             per: per_seconds,
             max_keys,
             degraded: false,
@@ -523,32 +128,7 @@ impl TokenBucketLimiter {
         cost: Cost,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<py_reserve::Acquiring> {
-        py_reserve::acquiring(slf, key, cost.0, timeout, false)
-    }
-
-    /// `acquire`, answering with the reservation (granted or refused), for
-    /// callers that settle it later: the web adapters' `max_wait`.
-    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None))]
-    fn _acquire_reservation(
-        slf: &Bound<'_, Self>,
-        key: &Bound<'_, PyString>,
-        cost: Cost,
-        timeout: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<py_reserve::Reservation>> {
-        let timeout = py_reserve::max_wait(timeout, "timeout")?;
-        let reservation = py_reserve::reserve_one(slf.py(), slf, key, cost.0, timeout)?;
-        py_reserve::wait_held(slf.py(), reservation)
-    }
-
-    /// `acquire_async`, answering with the reservation (see `_acquire_reservation`).
-    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None))]
-    fn _acquire_reservation_async(
-        slf: &Bound<'_, Self>,
-        key: &Bound<'_, PyString>,
-        cost: Cost,
-        timeout: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<py_reserve::Acquiring> {
-        py_reserve::acquiring(slf, key, cost.0, timeout, true)
+        py_reserve::acquiring(slf, key, cost.0, timeout)
     }
 
     /// Records use that already happened: any cost >= 1 (above capacity
@@ -556,6 +136,41 @@ impl TokenBucketLimiter {
     fn charge(&self, py: Python<'_>, key: Key<'_, '_>, cost: Cost) -> PyResult<Decision> {
         let now = self.now(py)?;
         let decision = self.registry.charge(key.as_str()?, cost.0, now)?;
+        Ok(Decision::of(decision, self.degraded))
+    }
+
+    /// Applies what an upstream reported for the key: its balance becomes at most
+    /// what the upstream says remains (never raised), ordered by the report's
+    /// time `at` on the limiter's clock. Answers the bucket after it.
+    #[pyo3(signature = (key, remaining, *, limit = None, reset_after = None, retry_after = None, at = None))]
+    #[pyo3(
+        text_signature = "($self, key, remaining, *, limit=None, reset_after=None, retry_after=None, at=None)"
+    )]
+    #[allow(clippy::too_many_arguments)] // the method's keyword arguments
+    fn observe(
+        &self,
+        py: Python<'_>,
+        key: Key<'_, '_>,
+        remaining: &Bound<'_, PyAny>,
+        limit: Option<&Bound<'_, PyAny>>,
+        reset_after: Option<&Bound<'_, PyAny>>,
+        retry_after: Option<&Bound<'_, PyAny>>,
+        at: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Decision> {
+        let words = Words::new(remaining, limit, reset_after, retry_after)?;
+        let now = self.now(py)?;
+        let at = match at.filter(|a| !a.is_none()) {
+            None => now,
+            // A reading of the clock; the built-in one is read as time.monotonic().
+            Some(at) if self.clock().is_some() => at_micros(at)?,
+            Some(at) => {
+                let at = at_micros(at)?;
+                let monotonic = py.import("time")?.getattr("monotonic")?.call0()?;
+                now.saturating_sub(clock_micros(&monotonic)?.saturating_sub(at))
+            }
+        };
+        let report = words.report(self.config(), at);
+        let decision = self.registry.observe(key.as_str()?, &report, now)?;
         Ok(Decision::of(decision, self.degraded))
     }
 
@@ -628,17 +243,24 @@ impl TokenBucketLimiter {
 }
 
 /// Spends each check's cost from every `(limiter, key[, cost])` only if all
-/// of them allow.
+/// of them allow. With concurrency limiters among the checks it also takes
+/// their permits, all or nothing, and answers the `Reservation` holding them
+/// (its `cancel`/`settle` release them); else the `Decision`.
 #[pyfunction]
 #[pyo3(signature = (checks, cost = Cost(1)), text_signature = "(checks, cost=1)")]
-pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyResult<Decision> {
+pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyResult<Py<PyAny>> {
     let parsed = py_reserve::parse_checks(checks, cost.0, "allow_all")?;
-    let reservation = py_reserve::reserve_checks(py, &parsed, Some(0))?;
-    let decision = reservation.decision_of(py);
-    Ok(decision)
+    if parsed.permits.is_empty() {
+        let reservation = py_reserve::reserve_checks(py, &parsed.buckets, Some(0))?;
+        let decision = reservation.decision_of(py);
+        return Ok(Py::new(py, decision)?.into_any());
+    }
+    let reservation = py_concurrency::reserve_with_permits(py, &parsed, Some(0))?;
+    Ok(Py::new(py, reservation)?.into_any())
 }
 
-/// Reserves each check's cost from every bucket at once, all or nothing.
+/// Reserves each check's cost from every bucket at once, all or nothing
+/// (and the permits of concurrency limiters, free now).
 #[pyfunction]
 #[pyo3(signature = (checks, cost = Cost(1), *, max_wait = None))]
 #[pyo3(text_signature = "(checks, cost=1, *, max_wait=None)")]
@@ -650,10 +272,15 @@ pub fn reserve_all(
 ) -> PyResult<py_reserve::Reservation> {
     let max_wait = py_reserve::max_wait(max_wait, "max_wait")?;
     let parsed = py_reserve::parse_checks(checks, cost.0, "reserve_all")?;
-    py_reserve::reserve_checks(py, &parsed, max_wait)
+    if parsed.permits.is_empty() {
+        return py_reserve::reserve_checks(py, &parsed.buckets, max_wait);
+    }
+    py_concurrency::reserve_with_permits(py, &parsed, max_wait)
 }
 
 /// `reserve_all`, then blocks for the longest delay (or refuses at once).
+/// With concurrency limiters: waits for their permits first (in arrival
+/// order), then for the tokens, and answers the `Reservation`.
 #[pyfunction]
 #[pyo3(signature = (checks, cost = Cost(1), *, timeout = None))]
 #[pyo3(text_signature = "(checks, cost=1, *, timeout=None)")]
@@ -662,11 +289,15 @@ pub fn acquire_all(
     checks: &Bound<'_, PyAny>,
     cost: Cost,
     timeout: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Py<Decision>> {
+) -> PyResult<Py<PyAny>> {
     let timeout = py_reserve::max_wait(timeout, "timeout")?;
     let parsed = py_reserve::parse_checks(checks, cost.0, "acquire_all")?;
-    let reservation = py_reserve::reserve_checks(py, &parsed, timeout)?;
-    py_reserve::wait(py, &reservation)
+    if parsed.permits.is_empty() {
+        let reservation = py_reserve::reserve_checks(py, &parsed.buckets, timeout)?;
+        return Ok(py_reserve::wait(py, &reservation)?.into_any());
+    }
+    let reservation = py_concurrency::acquire_with_permits(py, &parsed, timeout)?;
+    Ok(Py::new(py, reservation)?.into_any())
 }
 
 /// `acquire_all` for asyncio: a coroutine.
@@ -674,19 +305,26 @@ pub fn acquire_all(
 #[pyo3(signature = (checks, cost = Cost(1), *, timeout = None))]
 #[pyo3(text_signature = "(checks, cost=1, *, timeout=None)")]
 pub fn acquire_all_async(
+    py: Python<'_>,
     checks: &Bound<'_, PyAny>,
     cost: Cost,
     timeout: Option<&Bound<'_, PyAny>>,
-) -> PyResult<py_reserve::Acquiring> {
+) -> PyResult<Py<PyAny>> {
     let max_wait = py_reserve::max_wait(timeout, "timeout")?;
     let parsed = py_reserve::parse_checks(checks, cost.0, "acquire_all_async")?;
-    Ok(py_reserve::Acquiring::new(py_reserve::Request::All {
+    if !parsed.permits.is_empty() {
+        let coroutine = py_concurrency::acquiring_with_permits(py, &parsed, max_wait)?;
+        return Ok(Py::new(py, coroutine)?.into_any());
+    }
+    let coroutine = py_reserve::Acquiring::new(py_reserve::Request::All {
         checks: parsed
+            .buckets
             .into_iter()
             .map(|(l, k, c)| (l.unbind(), k.unbind(), c))
             .collect(),
         max_wait,
-    }))
+    });
+    Ok(Py::new(py, coroutine)?.into_any())
 }
 
 /// The exact integer configuration the Redis script uses:
@@ -703,10 +341,105 @@ pub fn exact_units(
     Ok((config.capacity, config.per_micro, config.unit))
 }
 
+/// A report's time `at`, in µs: a clock reading, by the clock's rule.
+fn at_micros(at: &Bound<'_, PyAny>) -> PyResult<i64> {
+    clock_micros(at).map_err(|e| {
+        let kind = if e.is_instance_of::<PyTypeError>(at.py()) {
+            PyTypeError::new_err
+        } else {
+            PyValueError::new_err
+        };
+        kind(format!(
+            "at must be a reading of the limiter's clock (finite seconds as an int or \
+             float), got {}",
+            crate::py_types::repr(at)
+        ))
+    })
+}
+
+/// An upstream's words about a key, checked: `TypeError` for a wrong type,
+/// `ValueError` for a wrong value, before anything is read or changed.
+struct Words {
+    remaining: u64,
+    limit: Option<u64>,
+    reset_after: Option<Wait>,
+    retry_after: Option<Wait>,
+}
+
+impl Words {
+    fn new(
+        remaining: &Bound<'_, PyAny>,
+        limit: Option<&Bound<'_, PyAny>>,
+        reset_after: Option<&Bound<'_, PyAny>>,
+        retry_after: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Words> {
+        let given = |obj: Option<&Bound<'_, PyAny>>, name: &str| {
+            obj.filter(|o| !o.is_none())
+                .map(|o| py_reserve::max_wait(Some(o), name))
+                .transpose()
+        };
+        Ok(Words {
+            remaining: count(remaining, "remaining")?,
+            limit: limit
+                .filter(|l| !l.is_none())
+                .map(|l| count(l, "limit"))
+                .transpose()?,
+            reset_after: given(reset_after, "reset_after")?,
+            retry_after: given(retry_after, "retry_after")?,
+        })
+    }
+
+    fn report(&self, config: &Config, at: i64) -> Report {
+        Report::new(
+            config,
+            self.remaining,
+            self.limit,
+            self.reset_after,
+            self.retry_after,
+            at,
+        )
+    }
+}
+
+/// The bound an upstream's report sets, in the Redis script's units: what
+/// `observe` reduces a report to (`Report::new`), for a limiter of `capacity`
+/// refilling `per_micro` units a microsecond, `unit` units a token (the numbers
+/// of `exact_units`). The Redis limiter sends it; one rule, one place.
+#[pyfunction]
+#[pyo3(signature = (capacity, per_micro, unit, remaining, *, limit = None, reset_after = None, retry_after = None))]
+#[pyo3(
+    text_signature = "(capacity, per_micro, unit, remaining, *, limit=None, reset_after=None, retry_after=None)"
+)]
+pub fn observation_cap(
+    capacity: &Bound<'_, PyAny>,
+    per_micro: &Bound<'_, PyAny>,
+    unit: &Bound<'_, PyAny>,
+    remaining: &Bound<'_, PyAny>,
+    limit: Option<&Bound<'_, PyAny>>,
+    reset_after: Option<&Bound<'_, PyAny>>,
+    retry_after: Option<&Bound<'_, PyAny>>,
+) -> PyResult<i128> {
+    let words = Words::new(remaining, limit, reset_after, retry_after)?;
+    // p units a µs at q * 10**6 units a token is p tokens per q seconds.
+    let seconds = integer(unit, "unit")? / 1_000_000;
+    let config = Config::new(
+        integer(capacity, "capacity")?,
+        Number::Int(integer(per_micro, "per_micro")?),
+        Number::Int(seconds),
+    )?;
+    Ok(words.report(&config, 0).cap)
+}
+
 /// Checks a cost as the limiter does (type, then value) and returns it.
 #[pyfunction]
 pub fn check_cost(cost: &Bound<'_, PyAny>, capacity: u64) -> PyResult<u64> {
     Ok(crate::rate::check_cost(integer(cost, "cost")?, capacity)?)
+}
+
+/// Checks a charge's cost as the limiter does (1 to 2**64 - 1) and returns it.
+#[pyfunction]
+pub fn check_charge(cost: &Bound<'_, PyAny>) -> PyResult<u64> {
+    Ok(crate::rate::check_charge(integer(cost, "cost")?)?)
 }
 
 /// A clock reading in whole microseconds, by the limiter's own rule.

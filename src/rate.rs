@@ -246,6 +246,19 @@ impl Config {
     }
 }
 
+/// Checks the cost of a charge (use that already happened, so any number of
+/// tokens from 1 to 2^64 - 1, above capacity too), and returns it. The Redis
+/// limiter calls this too (`_core.check_charge`).
+///
+/// # Errors
+/// [`Error::Cost`] below 1; [`Error::ChargeTooLarge`] beyond 2^64 - 1.
+pub fn check_charge(cost: i128) -> Result<u64, Error> {
+    if cost < 1 {
+        return Err(Error::Cost(cost.to_string()));
+    }
+    u64::try_from(cost).map_err(|_| Error::ChargeTooLarge(cost.to_string()))
+}
+
 /// Checks that `cost` could ever pass a bucket of `capacity`, and returns it.
 /// The Redis limiter calls this too (`_core.check_cost`): one rule, one message.
 ///

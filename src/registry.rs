@@ -15,7 +15,7 @@ use compact_str::CompactString;
 use hashbrown::{DefaultHashBuilder, HashTable};
 use parking_lot::{Mutex, MutexGuard};
 
-use crate::bucket::{Bucket, Decision, Line, Reserved, Wait};
+use crate::bucket::{Bucket, Decision, Line, Report, Reserved, Wait};
 use crate::error::{check_key, Error};
 use crate::rate::Config;
 
@@ -546,13 +546,7 @@ impl Registry {
     /// # Errors
     /// A bad key, or a cost below 1 or beyond u64; nothing changes then.
     pub fn charge(&self, key: &str, cost: i128, now: i64) -> Result<Decision, Error> {
-        if cost < 1 {
-            return Err(Error::Cost(cost.to_string()));
-        }
-        let cost = u64::try_from(cost).map_err(|_| Error::OutOfRange {
-            what: "cost",
-            value: cost.to_string(),
-        })?;
+        let cost = crate::rate::check_charge(cost)?;
         check_key(key)?;
         let hash = self.hasher.hash_one(key);
         let config = &self.config;
@@ -596,6 +590,40 @@ impl Registry {
             *bucket = bucket.refilled(config, now).given_back(config, cost, line);
         }
         Ok(())
+    }
+
+    /// Applies an upstream's report to the key's bucket at `now` (docs/design.md
+    /// §4, "Following the upstream"): its balance becomes at most the report's
+    /// bound, never higher. Answers the bucket as it stands after it. A new key
+    /// with no room under `max_keys` records nothing.
+    ///
+    /// # Errors
+    /// A bad key; nothing changes then.
+    pub fn observe(&self, key: &str, report: &Report, now: i64) -> Result<Decision, Error> {
+        check_key(key)?;
+        let hash = self.hasher.hash_one(key);
+        let config = &self.config;
+        let mut table = self.table.lock();
+        let now = table.observe(now);
+        let decision = match table.slot(config, &self.hasher, self.max_keys, hash, key, now, true) {
+            Slot::Held(position) => {
+                let bucket = table.entries[position].bucket.refilled(config, now);
+                let (decision, after) = bucket.observed(config, report, now);
+                table.entries[position].bucket = after;
+                decision
+            }
+            Slot::New => {
+                let (decision, after) = Bucket::full(config, now).observed(config, report, now);
+                if !after.is_full(config) {
+                    table.insert(hash, key, after);
+                    table.refusing_new = false;
+                }
+                decision
+            }
+            Slot::NoRoom(wait) => no_room(config, wait),
+        };
+        table.sweep(config, &self.hasher);
+        Ok(decision)
     }
 
     /// Makes the key's bucket full again (by forgetting it).
@@ -658,20 +686,18 @@ pub fn allow_all(checks: &[Check<'_>]) -> Result<Decision, Error> {
     reserve_all(checks, Some(0)).map(|(reserved, _)| reserved.decision)
 }
 
-/// Reserves each check's cost from every bucket at the same moment, all or
-/// nothing: granted only if every bucket grants within `max_wait`; the delay
-/// is the longest. Tables are locked in address order, so concurrent calls
-/// naming the same limiters in any order cannot deadlock.
+/// Checks the keys and costs of a [`reserve_all`] and that no `(limiter, key)`
+/// comes twice, as it does before it locks anything (a call that waits for
+/// something else first checks its buckets with this).
 ///
 /// # Errors
-/// A bad key or cost, or the same (limiter, key) twice; nothing changes then.
-///
-/// # Panics
-/// Never: every registry named in `checks` is locked before it is looked up.
-pub fn reserve_all(
-    checks: &[Check<'_>],
-    max_wait: Wait,
-) -> Result<(Reserved, Vec<Option<Line>>), Error> {
+/// A bad key or cost, the same (limiter, key) twice, or no check at all.
+pub fn check_all(checks: &[Check<'_>]) -> Result<(), Error> {
+    checked(checks).map(drop)
+}
+
+/// [`check_all`], with each check's key hash and cost.
+fn checked(checks: &[Check<'_>]) -> Result<(Vec<u64>, Vec<u64>), Error> {
     if checks.is_empty() {
         return Err(Error::NoChecks);
     }
@@ -688,6 +714,44 @@ pub fn reserve_all(
             return Err(Error::DuplicateCheck(check.key.to_owned()));
         }
     }
+    Ok((hashes, costs))
+}
+
+/// Reserves each check's cost from every bucket at the same moment, all or
+/// nothing: granted only if every bucket grants within `max_wait`; the delay
+/// is the longest. Tables are locked in address order, so concurrent calls
+/// naming the same limiters in any order cannot deadlock.
+///
+/// # Errors
+/// A bad key or cost, or the same (limiter, key) twice; nothing changes then.
+///
+/// # Panics
+/// Never: every registry named in `checks` is locked before it is looked up.
+pub fn reserve_all(
+    checks: &[Check<'_>],
+    max_wait: Wait,
+) -> Result<(Reserved, Vec<Option<Line>>), Error> {
+    reserve_all_gated(checks, max_wait, |allowed, _| allowed)
+}
+
+/// [`reserve_all`], with the rest of a call decided at the same moment: once
+/// every bucket is looked at (the tables still locked), `gate(allowed,
+/// delay)` is told whether they all grant and the longest delay, and returns
+/// whether the call goes ahead (the concurrency permits of `*_all`, taken in
+/// it, all or nothing: docs/design.md §4, "Permits"). It runs under the
+/// tables' locks: it must not call Python or lock a table.
+///
+/// # Errors
+/// As [`reserve_all`]; `gate` is not called then.
+///
+/// # Panics
+/// As [`reserve_all`].
+pub fn reserve_all_gated(
+    checks: &[Check<'_>],
+    max_wait: Wait,
+    gate: impl FnOnce(bool, Wait) -> bool,
+) -> Result<(Reserved, Vec<Option<Line>>), Error> {
+    let (hashes, costs) = checked(checks)?;
     let mut registries: Vec<&Registry> = checks.iter().map(|c| c.registry).collect();
     registries.sort_by_key(|r| std::ptr::from_ref(*r) as usize);
     registries.dedup_by_key(|r| std::ptr::from_ref(*r) as usize);
@@ -735,7 +799,7 @@ pub fn reserve_all(
         decisions.push(reserved.decision);
         buckets.push(Some(bucket));
     }
-    let allowed = decisions.iter().all(|d| d.allowed);
+    let allowed = gate(decisions.iter().all(|d| d.allowed), delay);
     if !allowed {
         // Nothing is spent: report the buckets that would have allowed as
         // they stand, not as if they had been charged.
@@ -764,7 +828,10 @@ pub fn reserve_all(
         registry.log_no_room();
     }
     let reserved = Reserved {
-        decision: combine(&decisions),
+        decision: Decision {
+            allowed, // false also when the gate refused
+            ..combine(&decisions)
+        },
         delay,
     };
     Ok((reserved, lines))
@@ -777,8 +844,13 @@ fn longest(a: Wait, b: Wait) -> Wait {
 
 /// One decision for several buckets: allowed if all allow; `retry_after` the
 /// longest among the refusals; the rest from the bucket with the fewest
-/// remaining tokens (the first on a tie).
-fn combine(decisions: &[Decision]) -> Decision {
+/// remaining tokens (the first on a tie). The binding combines a call's
+/// permits with its buckets by the same rule.
+///
+/// # Panics
+/// Given no decision.
+#[must_use]
+pub fn combine(decisions: &[Decision]) -> Decision {
     let allowed = decisions.iter().all(|d| d.allowed);
     // min_by_key keeps the first of equal minima.
     let tightest = *decisions
@@ -1002,6 +1074,23 @@ mod tests {
         assert_eq!(r.decision.retry_after, Some(9_000_000));
         assert_eq!(rpm.peek("org", 1, 0).unwrap().retry_after, Some(1_000_000));
         assert_eq!(tpm.peek("org", 1, 0).unwrap().retry_after, Some(5_100_000));
+    }
+
+    #[test]
+    fn observe_keeps_a_bucket_only_when_a_report_lowers_it() {
+        let r = registry(10, 1.0, Some(1));
+        let config = *r.config();
+        let plenty = Report::new(&config, 10, None, None, None, 0);
+        assert_eq!(r.observe("a", &plenty, 0).unwrap().remaining, 10);
+        assert_eq!(r.len(), 0, "a full bucket is not kept");
+        let low = Report::new(&config, 3, None, None, None, 0);
+        assert_eq!(r.observe("a", &low, 0).unwrap().remaining, 3);
+        assert!(!r.allow("a", 4, 0).unwrap().allowed);
+        // No room for another key: nothing recorded.
+        let d = r.observe("b", &low, 0).unwrap();
+        assert!(!d.allowed);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r.observe("", &low, 0), Err(Error::EmptyKey));
     }
 
     #[test]
