@@ -1,6 +1,7 @@
 """What ``stats()`` returns, as typed dictionaries (docs/design.md §3 and §6).
 
-Importable as ``bucketlimit.LimiterStats`` and ``bucketlimit.RedisLimiterStats``:
+Importable as ``bucketlimit.LimiterStats``, ``bucketlimit.RedisLimiterStats``,
+``bucketlimit.ConcurrencyStats`` and ``bucketlimit.RedisConcurrencyStats``:
 a type checker then knows ``stats()["allowed"]`` is an ``int`` and reports a
 misspelt key. At run time they are plain ``dict`` objects.
 """
@@ -32,3 +33,44 @@ class RedisLimiterStats(TypedDict):
     refusal_cache_hits: int  # refusals answered from the refusal cache
     lost_refunds: int  # give-backs that could not reach the store (never sent again)
     breaker_openings: int  # outages: times the breaker opened
+    breaker_open: int  # breakers open now: 0 or 1, or one per cluster node whose breaker is open
+    # Leases (``lease=``; docs/redis.md, "Hot keys: leases"); 0 without leasing.
+    lease_hits: int  # decisions answered from a lease, in process (counted in ``allowed``)
+    lease_round_trips: int  # commands that took or gave back a lease
+    lease_tokens: int  # tokens leased: charged to the store's bucket ahead of use
+    lease_tokens_returned: int  # leased tokens given back unused
+    lease_tokens_expired: int  # leased tokens neither used nor given back (spent for the store)
+
+
+class ConcurrencyStats(TypedDict):
+    """``ConcurrencyLimiter.stats()``: counters since the limiter was made, and what it
+    holds now."""
+
+    granted: int  # permits granted (at once, or handed to a waiter)
+    refused: int  # requests refused: no permit in time, or a new key with no room
+    released: int  # permits released by their holder before they expired
+    expired: int  # permits freed by their ttl (counted when a call notices)
+    abandoned: int  # waits given up by a cancellation or an exception
+    refused_new_keys: int  # new keys refused because ``max_keys`` keys were all in use
+    keys: int  # keys held in memory now
+    in_flight: int  # permits held now, every key
+    waiting: int  # callers queued now, every key
+
+
+class RedisConcurrencyStats(TypedDict):
+    """``RedisConcurrencyLimiter.stats()`` (and the asyncio twin's): this object's
+    counters, and its waiters now."""
+
+    granted: int  # permits granted (degraded ones included)
+    refused: int  # requests refused (degraded ones included)
+    released: int  # permits released by their holder before they expired
+    abandoned: int  # waits given up by a cancellation or an exception
+    store_calls: int  # commands sent to the store
+    script_loads: int  # scripts sent whole after NOSCRIPT
+    store_errors: int  # store faults and corrupt keys
+    fallback_decisions: int  # answers without the store (``degraded=True``)
+    lost_releases: int  # releases that could not reach the store (those permits expire)
+    breaker_openings: int  # outages: times the breaker opened
+    breaker_open: int  # breakers open now
+    waiting: int  # this object's callers waiting now
+    wakeups: int  # grants told to its waiters by a message (pub/sub)

@@ -16,12 +16,24 @@ instruments with callbacks), so an application that configures no metrics
 pays nothing, and one that does pays one ``stats()`` call per limiter and
 instrument per collection (docs/metrics.md).
 
+Behind a pre-fork server (gunicorn ``-w 4``) each worker counts its own
+decisions. Either every worker serves its own ``/metrics`` target (and
+Prometheus adds them up), or the workers share one port through
+prometheus_client's multiprocess mode: ``register_prometheus_multiprocess()``
+publishes each worker's numbers to the multiprocess files, which
+``prometheus_client.multiprocess.MultiProcessCollector`` sums at each scrape
+(docs/metrics.md, "Pre-fork servers").
+
 Neither library is needed to import this module: each is imported by the
 method that uses it (``pip install 'bucketlimit[metrics]'`` installs both).
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
+import math
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +46,20 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric as PrometheusMetric
     from prometheus_client.registry import CollectorRegistry
 
-__all__ = ["METRICS", "LimiterMetrics", "Metric", "PrometheusCollector", "Reading"]
+__all__ = [
+    "METRICS",
+    "LimiterMetrics",
+    "Metric",
+    "MetricsUnavailableError",
+    "MultiprocessExport",
+    "PrometheusCollector",
+    "Reading",
+]
+
+#: The environment variable of prometheus_client's multiprocess mode: the folder
+#: its per-process files live in.
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+_log = logging.getLogger(__name__)
 
 
 class HasStats(Protocol):
@@ -66,21 +91,27 @@ class Metric:
 
 
 #: Every metric, one row per ``stats()`` counter. A limiter gaining a counter in
-#: ``stats()`` gains a metric by one row here. ``reservations_waiting`` is the
-#: row for reservations waiting to be settled: it reports as soon as a limiter's
-#: ``stats()`` has that key, and nothing before (no limiter has it yet).
+#: ``stats()`` gains a metric by one row here. The label values of one name are
+#: disjoint, so ``sum()`` over a label counts each event once.
 METRICS: tuple[Metric, ...] = (
     Metric(
         "decisions",
         "counter",
-        "Decisions by outcome: allowed, refused, and degraded (answered without the "
-        "store; those are counted as allowed or refused too)",
+        "Decisions by outcome: allowed or refused (each decision once; degraded "
+        "ones included, and counted again in degraded_decisions)",
         "allowed",
         {"outcome": "allowed"},
         "{decision}",
     ),
     Metric("decisions", "counter", "", "refused", {"outcome": "refused"}, "{decision}"),
-    Metric("decisions", "counter", "", "fallback_decisions", {"outcome": "degraded"}, "{decision}"),
+    Metric(
+        "degraded_decisions",
+        "counter",
+        "Answers given without the store (degraded=True), peek() answers included",
+        "fallback_decisions",
+        {},
+        "{decision}",
+    ),
     Metric(
         "store_errors", "counter", "Store faults and corrupt buckets", "store_errors", {}, "{error}"
     ),
@@ -116,10 +147,50 @@ METRICS: tuple[Metric, ...] = (
     Metric(
         "breaker_open",
         "gauge",
-        "1 while the circuit breaker is open (the store is skipped), else 0",
+        "Circuit breakers open now (the store, or a cluster node, is skipped): 0 when none",
         "breaker_open",
     ),
-    Metric("keys", "gauge", "Buckets held in this process", "keys", {}, "{key}"),
+    Metric(
+        "lease_hits",
+        "counter",
+        "Decisions answered from a lease, in process (counted in decisions too)",
+        "lease_hits",
+        {},
+        "{decision}",
+    ),
+    Metric(
+        "lease_round_trips",
+        "counter",
+        "Commands that took or gave back a lease (counted in store_calls too)",
+        "lease_round_trips",
+        {},
+        "{call}",
+    ),
+    Metric(
+        "lease_tokens",
+        "counter",
+        "Tokens leased: charged to the store's bucket ahead of use",
+        "lease_tokens",
+        {},
+        "{token}",
+    ),
+    Metric(
+        "lease_tokens_returned",
+        "counter",
+        "Leased tokens given back unused",
+        "lease_tokens_returned",
+        {},
+        "{token}",
+    ),
+    Metric(
+        "lease_tokens_expired",
+        "counter",
+        "Leased tokens neither used nor given back (the store keeps them spent)",
+        "lease_tokens_expired",
+        {},
+        "{token}",
+    ),
+    Metric("keys", "gauge", "Buckets held in memory by in-process limiters", "keys", {}, "{key}"),
     Metric(
         "evicted_keys",
         "counter",
@@ -135,14 +206,6 @@ METRICS: tuple[Metric, ...] = (
         "refused_new_keys",
         {},
         "{decision}",
-    ),
-    Metric(
-        "reservations_waiting",
-        "gauge",
-        "Reservations made and not yet settled",
-        "reservations_waiting",
-        {},
-        "{reservation}",
     ),
 )
 
@@ -161,14 +224,8 @@ class Reading:
 
 
 def read_stats(limiter: HasStats) -> dict[str, int]:
-    """The limiter's ``stats()``, with the breaker's state for a Redis limiter."""
-    stats = {name: value for name, value in limiter.stats().items() if isinstance(value, int)}
-    # The Redis limiters' breaker (bucketlimit._redis.resilience.Breaker); its
-    # state is not a counter of stats(), so it is read here.
-    breaker = getattr(limiter, "_breaker", None)
-    if "breaker_open" not in stats and isinstance(getattr(breaker, "open", None), bool):
-        stats["breaker_open"] = int(breaker.open)  # type: ignore[union-attr]
-    return stats
+    """The limiter's ``stats()`` (a Redis limiter's includes ``breaker_open``)."""
+    return {name: value for name, value in limiter.stats().items() if isinstance(value, int)}
 
 
 class LimiterMetrics:
@@ -181,6 +238,7 @@ class LimiterMetrics:
     def __init__(self, limiters: Mapping[str, HasStats] | None = None) -> None:
         self._lock = threading.Lock()
         self._limiters: dict[str, HasStats] = {}
+        self._export: MultiprocessExport | None = None
         for name, limiter in (limiters or {}).items():
             self.add(name, limiter)
 
@@ -207,13 +265,16 @@ class LimiterMetrics:
         with self._lock:
             return list(self._limiters)
 
+    def items(self) -> list[tuple[str, HasStats]]:
+        """The measured limiters and their names, now."""
+        with self._lock:
+            return list(self._limiters.items())
+
     def read(self, metrics: Iterable[Metric] = METRICS) -> list[Reading]:
         """Every metric's value for every limiter, read now."""
-        with self._lock:
-            limiters = list(self._limiters.items())
         wanted = list(metrics)
         readings = []
-        for policy, limiter in limiters:
+        for policy, limiter in self.items():
             stats = read_stats(limiter)
             readings += [Reading(m, policy, stats[m.stat]) for m in wanted if m.stat in stats]
         return readings
@@ -228,11 +289,57 @@ class LimiterMetrics:
         self, registry: CollectorRegistry | None = None, *, namespace: str = "bucketlimit"
     ) -> PrometheusCollector:
         """Registers a collector with ``registry`` (default: prometheus_client's
-        global ``REGISTRY``) and returns it (``registry.unregister(it)`` undoes it)."""
+        global ``REGISTRY``) and returns it (``registry.unregister(it)`` undoes it).
+
+        A collector reads this process's limiters. With ``PROMETHEUS_MULTIPROC_DIR``
+        set (prometheus_client's multiprocess mode, one port for several worker
+        processes) it would show one worker's numbers at each scrape, so it raises
+        :class:`~bucketlimit.ConfigurationError`: use
+        :meth:`register_prometheus_multiprocess` there."""
         prometheus_client = _require("prometheus_client", "register_prometheus")
+        if os.environ.get(MULTIPROC_DIR):
+            raise ConfigurationError(
+                f"{MULTIPROC_DIR} is set ({os.environ[MULTIPROC_DIR]!r}): with one /metrics "
+                "port for several processes a collector shows only the process that "
+                "answers the scrape; call register_prometheus_multiprocess() in every "
+                "worker and serve prometheus_client.multiprocess.MultiProcessCollector "
+                "(docs/metrics.md, 'Pre-fork servers')"
+            )
         collector = self.prometheus_collector(namespace)
         (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
         return collector
+
+    def register_prometheus_multiprocess(
+        self, *, namespace: str = "bucketlimit", interval: float = 1.0
+    ) -> MultiprocessExport:
+        """Publishes these limiters' numbers to prometheus_client's multiprocess
+        files (``PROMETHEUS_MULTIPROC_DIR``), at once, then every ``interval``
+        seconds and when the process exits, from a background thread.
+
+        ``MultiProcessCollector`` then reads every worker's numbers at a scrape and
+        sums them: counters over every process that ever ran (a worker that
+        exited keeps its counts), gauges over the live ones (the server must call
+        ``prometheus_client.multiprocess.mark_process_dead(pid)`` when a worker
+        exits, gunicorn's ``child_exit`` hook). Call it once per process before or
+        after the server forks its workers: a forked worker publishes its own
+        decisions only, from the fork on. Returns the export; calling again
+        returns the same one."""
+        _require("prometheus_client", "register_prometheus_multiprocess")
+        interval = _check_interval(interval)
+        with self._lock:
+            export = self._export
+        if export is not None:
+            if (export.namespace, export.interval) != (namespace, interval):
+                raise ValueError(
+                    f"these limiters are exported already with namespace "
+                    f"{export.namespace!r} and interval {export.interval!r}, not "
+                    f"{namespace!r} and {interval!r}"
+                )
+            return export
+        export = MultiprocessExport(self, namespace, interval)
+        with self._lock:
+            self._export = export
+        return export
 
     # -- OpenTelemetry ---------------------------------------------------------------
 
@@ -306,6 +413,189 @@ class PrometheusCollector:
             kind = CounterMetricFamily if rows[0].kind == "counter" else GaugeMetricFamily
             families.append(kind(f"{self._namespace}_{name}", rows[0].help))
         return families
+
+
+class MultiprocessExport:
+    """One process's limiters in prometheus_client's multiprocess files.
+
+    Made by :meth:`LimiterMetrics.register_prometheus_multiprocess`. A background
+    thread calls :meth:`sync` every ``interval`` seconds; :meth:`close` (also run
+    when the process exits) stops it after a last sync. Counters are published
+    as prometheus_client ``Counter`` objects, raised by what each limiter's
+    ``stats()`` grew since the last sync; gauges as ``Gauge`` objects in
+    ``livesum`` mode (the sum over live processes). A process forked from one
+    that exports (a pre-fork server's worker) starts its own thread and
+    publishes only what it decides after the fork.
+    """
+
+    def __init__(self, limiters: LimiterMetrics, namespace: str, interval: float) -> None:
+        directory = os.environ.get(MULTIPROC_DIR)
+        if not directory or not os.path.isdir(directory):
+            raise ConfigurationError(
+                f"register_prometheus_multiprocess() needs prometheus_client's multiprocess "
+                f"mode: set {MULTIPROC_DIR} to an existing, empty folder before the "
+                f"server starts (got {directory!r})"
+            )
+        from prometheus_client import values
+
+        if values.ValueClass is values.MutexValue:
+            raise ConfigurationError(
+                f"{MULTIPROC_DIR} was set after prometheus_client was imported, so it "
+                "keeps its numbers in memory: set it before the process starts"
+            )
+        self.namespace = namespace
+        self.interval = interval
+        self._limiters = limiters
+        self._metrics = {
+            name: _multiprocess_metric(f"{namespace}_{name}", rows)
+            for name, rows in _by_name(METRICS).items()
+        }
+        self._lock = threading.Lock()
+        # policy -> (limiter, its counters as last published, its gauges' stats)
+        self._published: dict[str, tuple[HasStats, dict[str, int], set[str]]] = {}
+        self._closed = False
+        self._stop = threading.Event()
+        # The first publish before the thread: the files exist when this returns, so a
+        # scrape in this process never reads one prometheus_client is still creating
+        # (empty: a CI run saw struct.error from a scrape right after the register).
+        self._sync_logged()
+        self._thread = self._start()
+        if hasattr(os, "register_at_fork"):  # POSIX: pre-fork servers fork
+            os.register_at_fork(
+                before=self._before_fork,
+                after_in_parent=self._after_fork_in_parent,
+                after_in_child=self._after_fork_in_child,
+            )
+        atexit.register(self.close)
+
+    def sync(self) -> None:
+        """Publishes every limiter's ``stats()`` now (nothing once closed)."""
+        with self._lock:
+            if not self._closed:
+                self._publish()
+
+    def close(self) -> None:
+        """Stops the thread after one last :meth:`sync`; nothing is published after.
+        Runs when the process exits normally; a process that ends with
+        ``os._exit`` (as multiprocessing's children do) keeps only what its last
+        sync published, unless it calls this first."""
+        with self._lock:
+            if self._closed:
+                return
+            self._publish()
+            self._closed = True
+            self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+    def _publish(self) -> None:
+        current = dict(self._limiters.items())
+        for policy, limiter in current.items():
+            stats = read_stats(limiter)
+            known = self._published.get(policy)
+            last = known[1] if known is not None and known[0] is limiter else {}
+            counters: dict[str, int] = {}
+            gauges: set[str] = set()
+            for row in METRICS:
+                if row.stat not in stats:
+                    continue
+                value = stats[row.stat]
+                sample = self._metrics[row.name].labels(policy=policy, **row.labels)
+                if row.kind == "counter":
+                    grown = value - last.get(row.stat, 0)
+                    if grown > 0:
+                        sample.inc(grown)
+                    counters[row.stat] = max(value, last.get(row.stat, 0))
+                else:
+                    sample.set(value)
+                    gauges.add(row.stat)
+            self._published[policy] = (limiter, counters, gauges)
+        for policy, (limiter, counters, gauges) in self._published.items():
+            if policy not in current and gauges:
+                # Removed: its counts stay (a counter never goes back), its gauges go to 0.
+                for row in METRICS:
+                    if row.stat in gauges:
+                        self._metrics[row.name].labels(policy=policy, **row.labels).set(0)
+                self._published[policy] = (limiter, counters, set())
+
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(
+            target=self._run, args=(self._stop,), name="bucketlimit-metrics", daemon=True
+        )
+        thread.start()
+        return thread
+
+    def _run(self, stop: threading.Event) -> None:
+        # At once, then every interval (a forked child's thread publishes its first
+        # numbers here; in the exporting process this repeats the constructor's).
+        while True:
+            self._sync_logged()
+            if stop.wait(self.interval):
+                return
+
+    def _sync_logged(self) -> None:
+        try:
+            self.sync()
+        except Exception:  # a limiter's stats() failed: try again next time
+            _log.exception("bucketlimit.metrics: publishing to %s failed", MULTIPROC_DIR)
+
+    # A fork while the thread publishes would leave its locks held in the child:
+    # hold them across the fork instead.
+    def _before_fork(self) -> None:
+        self._lock.acquire()
+        self._limiters._lock.acquire()
+
+    def _after_fork_in_parent(self) -> None:
+        self._limiters._lock.release()
+        self._lock.release()
+
+    def _after_fork_in_child(self) -> None:
+        self._limiters._lock.release()
+        self._lock.release()
+        if self._closed:
+            return
+        # The parent publishes what it decided; this process starts from here.
+        # (prometheus_client gives the child files of its own, starting at 0.)
+        counters = {row.stat for row in METRICS if row.kind == "counter"}
+        self._published = {}
+        for policy, limiter in self._limiters.items():
+            stats = read_stats(limiter)
+            at_fork = {stat: value for stat, value in stats.items() if stat in counters}
+            self._published[policy] = (limiter, at_fork, set())
+        self._stop = threading.Event()
+        self._thread = self._start()
+
+
+_MULTIPROCESS_METRICS: dict[str, Any] = {}
+_MULTIPROCESS_LOCK = threading.Lock()
+
+
+def _multiprocess_metric(full_name: str, rows: list[Metric]) -> Any:
+    """One prometheus_client metric object per name and process (each holds its
+    value in memory too): exports of several ``LimiterMetrics`` in one process
+    share it, so their policies must differ."""
+    from prometheus_client import Counter, Gauge
+
+    labels = ["policy", *rows[0].labels]
+    with _MULTIPROCESS_LOCK:
+        metric = _MULTIPROCESS_METRICS.get(full_name)
+        if metric is None:
+            if rows[0].kind == "counter":
+                metric = Counter(full_name, rows[0].help, labels, registry=None)
+            else:
+                metric = Gauge(
+                    full_name, rows[0].help, labels, registry=None, multiprocess_mode="livesum"
+                )
+            _MULTIPROCESS_METRICS[full_name] = metric
+    return metric
+
+
+def _check_interval(interval: object) -> float:
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+        raise TypeError(f"interval must be a number of seconds, got {type(interval).__name__}")
+    if not 0 < interval < math.inf:
+        raise ValueError(f"interval must be a finite number of seconds > 0, got {interval!r}")
+    return float(interval)
 
 
 def _by_name(metrics: Iterable[Metric]) -> dict[str, list[Metric]]:

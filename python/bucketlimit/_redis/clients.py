@@ -13,8 +13,12 @@ so that a single ``isinstance`` check classifies both clients' errors.
 from __future__ import annotations
 
 import importlib
+import math
+import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Final, NamedTuple
+from urllib.parse import unquote, urlsplit
 
 
 class Kind(NamedTuple):
@@ -24,6 +28,7 @@ class Kind(NamedTuple):
     cluster: type[Any]
     blocking_pool: type[Any]
     retry: type[Any]
+    sentinel: type[Any]
 
 
 class Library(NamedTuple):
@@ -51,6 +56,8 @@ def _load(name: str, module: str, schemes: tuple[str, ...]) -> Library | None:
         return None
     prefix = "Valkey" if module == "valkey" else "Redis"
     aio = mods["asyncio"]
+    sentinel = importlib.import_module(f"{module}.sentinel")
+    aio_sentinel = importlib.import_module(f"{module}.asyncio.sentinel")
     return Library(
         name=name,
         module=module,
@@ -60,12 +67,14 @@ def _load(name: str, module: str, schemes: tuple[str, ...]) -> Library | None:
             getattr(mods["cluster"], f"{prefix}Cluster"),
             root.BlockingConnectionPool,
             mods["retry"].Retry,
+            sentinel.Sentinel,
         ),
         asyncio=Kind(
             getattr(aio, prefix),
             getattr(aio_cluster, f"{prefix}Cluster"),
             aio.BlockingConnectionPool,
             aio_retry.Retry,
+            aio_sentinel.Sentinel,
         ),
         no_backoff=mods["backoff"].NoBackoff,
         exceptions=mods["exceptions"],
@@ -120,10 +129,12 @@ def base(name: str, fallback: type[BaseException]) -> type[BaseException]:
 def for_url(url: str) -> Library:
     """The library ``from_url`` builds its client with, by the URL's scheme:
     ``valkey://`` and ``valkeys://`` valkey-py; ``redis://``, ``rediss://`` and
-    ``unix://`` redis-py, or valkey-py when redis-py is not installed."""
+    ``unix://`` redis-py, or valkey-py when redis-py is not installed (the
+    ``+cluster`` and ``+sentinel`` forms of each alike)."""
     if not isinstance(url, str):
         raise TypeError(f"url must be a str, got {type(url).__name__}")
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    scheme = scheme.removesuffix("+cluster").removesuffix("+sentinel")
     for lib in LIBRARIES:
         if scheme in lib.schemes:
             return lib
@@ -135,9 +146,154 @@ def for_url(url: str) -> Library:
             "pip install 'bucketlimit[valkey]'"
         )
     known = ", ".join(f"{s}://" for s in REDIS_SCHEMES + VALKEY_SCHEMES)
-    raise ValueError(f"url must start with one of {known}, got {url!r}")
+    raise ValueError(
+        f"url must start with one of {known} (or redis+cluster://, redis+sentinel://, "
+        f"valkey+cluster://, valkey+sentinel://), got {url!r}"
+    )
 
 
 def kind(*, asyncio: bool) -> tuple[Kind, ...]:
     """Every installed library's clients of one kind."""
     return tuple(lib.asyncio if asyncio else lib.sync for lib in LIBRARIES)
+
+
+#: The timeouts ``from_url`` and :func:`client_from_url` give a client, in seconds: a
+#: limiter that waits longer than this for its store is slower than no limiter.
+DEFAULT_TIMEOUT: Final = 0.25
+
+#: The connections a standalone client of :func:`client_from_url` may open (redis-py's
+#: default pool size); a call finding them all busy waits up to ``timeout`` for one.
+DEFAULT_MAX_CONNECTIONS: Final = 100
+
+
+class LazyClient:
+    """A client built on first use, once: what :func:`client_from_url` answers and
+    every Redis limiter accepts as its ``client``. redis-py's sync ``RedisCluster``
+    asks a node for the slot map in its constructor, and nothing may be sent at a
+    limiter's construction (docs/design.md §6). Many limiters may share one; many
+    threads asking at once get the one client (issue 19 D1: each used to build its
+    own on the one pool, and the losers' ``close()`` cut the winner's connections)."""
+
+    __slots__ = ("__weakref__", "_build", "_client", "_lock", "asyncio", "cluster", "url")
+
+    def __init__(self, build: Callable[[], Any], *, url: str, cluster: bool, asyncio: bool) -> None:
+        self._build = build
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self.url = url
+        self.cluster = cluster
+        self.asyncio = asyncio
+
+    def build(self) -> Any:
+        """The client: built now (under a lock, once) when it was not yet."""
+        client = self._client
+        if client is None:
+            with self._lock:
+                client = self._client
+                if client is None:
+                    client = self._client = self._build()
+        return client
+
+    get = build
+
+    @property
+    def built(self) -> bool:
+        """Whether the client exists yet (nothing is sent before)."""
+        return self._client is not None
+
+    def __repr__(self) -> str:
+        kind = "asyncio " if self.asyncio else ""
+        return f"LazyClient({kind}{'cluster ' if self.cluster else ''}{self.url!r})"
+
+
+def _sentinels(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    """``redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]``: the
+    sentinels, the service name, and the primary's settings (password, db, TLS)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    settings: dict[str, Any] = {}
+    if "@" in netloc:
+        credentials, netloc = netloc.rsplit("@", 1)
+        user, _, password = credentials.partition(":")
+        if user:
+            settings["username"] = unquote(user)
+        if password:
+            settings["password"] = unquote(password)
+    hosts = []
+    for hostport in netloc.split(","):
+        host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", "26379")
+        if not host:
+            raise ValueError(f"a sentinel URL names host:port pairs, got {url!r}")
+        try:
+            hosts.append((host.strip("[]"), int(port)))
+        except ValueError:
+            raise ValueError(f"a sentinel URL names host:port pairs, got {url!r}") from None
+    path = [segment for segment in parts.path.split("/") if segment]
+    if not path:
+        raise ValueError(
+            f"a sentinel URL names the service after the hosts (/mymaster), got {url!r}"
+        )
+    if len(path) > 1:
+        settings["db"] = int(path[1])
+    if parts.scheme.lower().startswith(("rediss", "valkeys")):
+        settings["ssl"] = True
+    return hosts, unquote(path[0]), settings
+
+
+def client_from_url(
+    url: str, *, asyncio: bool = False, cluster: bool = False, timeout: float = DEFAULT_TIMEOUT
+) -> LazyClient:
+    """A client for ``url`` as ``from_url`` builds one, built on first use (nothing is
+    sent here), to give one or many Redis limiters: ``timeout`` seconds to connect
+    and to answer, no command retries (a command that failed may have run: a resend
+    could charge twice), a blocking pool of :data:`DEFAULT_MAX_CONNECTIONS` for a
+    standalone server. Schemes: ``redis://``, ``rediss://``, ``unix://``,
+    ``valkey://``, ``valkeys://``; ``redis+cluster://`` (or ``cluster=True``) for a
+    Redis Cluster, ``redis+sentinel://host:port[,host:port]/service[/db]`` for the
+    primary that Sentinel names (and the ``valkey+`` forms). ``asyncio=True``:
+    the asyncio client, for the asyncio limiters."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(f"timeout must be an int or float, got {type(timeout).__name__}")
+    if not 0 < timeout < math.inf:
+        raise ValueError(f"timeout must be finite and > 0 (seconds), got {timeout!r}")
+    library = for_url(url)
+    kind = library.asyncio if asyncio else library.sync
+    scheme = url.split("://", 1)[0].lower()
+    plain = scheme.removesuffix("+cluster").removesuffix("+sentinel") + url[len(scheme) :]
+    settings: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": kind.retry(library.no_backoff(), 0),
+    }
+    build: Callable[[], Any]
+    if scheme.endswith("+sentinel"):
+        hosts, service, primary = _sentinels(url)
+        sentinel = kind.sentinel(hosts, **settings, sentinel_kwargs=dict(settings))
+
+        def build() -> Any:
+            return sentinel.master_for(service, **settings, **primary)
+
+        cluster = False
+    elif cluster or scheme.endswith("+cluster"):
+        cluster_class = kind.cluster
+        # redis-py's asyncio cluster client closes every connection (those other
+        # tasks are using too) on each 5th MOVED by default: during a migration
+        # that lost replies of scripts that ran. With 0 a MOVED only updates the
+        # slot it names (docs/redis.md, "Resharding and failover").
+        settings["reinitialize_steps"] = 0
+        cluster = True
+
+        def build() -> Any:
+            return cluster_class.from_url(plain, **settings)
+
+    else:
+        client_class, pool_class = kind.standalone, kind.blocking_pool
+        # Built now (parsing the URL sends nothing): a bad URL fails here.
+        pool = pool_class.from_url(
+            plain, max_connections=DEFAULT_MAX_CONNECTIONS, timeout=timeout, **settings
+        )
+
+        def build() -> Any:
+            return client_class.from_pool(pool)
+
+    return LazyClient(build, url=url, cluster=cluster, asyncio=asyncio)

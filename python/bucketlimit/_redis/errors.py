@@ -162,6 +162,8 @@ FAULT_REPLIES: Final = (
 )
 _CLUSTER_REPLIES: Final = ("MOVED ", "ASK ", "CROSSSLOT ")
 _TOO_OLD_REPLIES: Final = ("unknown command", "unknown subcommand")
+# An ACL forbidding a command or a key the script uses (Redis 7, Valkey).
+_SCRIPT_DENIED: Final = "The user executing the script can't"
 # What redis-py's cluster clients say, as a RedisClusterException, when no node
 # answers or the nodes they reached do not cover the slots: the store is down.
 CLUSTER_OUTAGES: Final = (
@@ -228,14 +230,19 @@ def classify(error: BaseException) -> str:
         # EVALSHA renamed away, or Redis < 5 refusing writes after TIME in a script.
         if reply.startswith(_TOO_OLD_REPLIES) or "non deterministic" in reply:
             return CONFIG
+        if reply.startswith(_SCRIPT_DENIED):
+            return CONFIG  # an ACL forbids a command or key the script uses
     return OTHER
 
 
 def configuration_error(error: BaseException) -> ConfigurationError:
     if isinstance(error, AuthenticationError):
         hint = "check the client's username and password"
-    elif isinstance(error, AuthorizationError):
-        hint = "the Redis user needs EVALSHA, EVAL and DEL on keys starting with the prefix"
+    elif isinstance(error, AuthorizationError) or str(error).startswith(_SCRIPT_DENIED):
+        hint = (
+            "the Redis user needs EVALSHA, EVAL and DEL, and within the script GET, SET, "
+            "PEXPIRE, PTTL, HGETALL, HSET, HDEL and TIME, on keys starting with the prefix"
+        )
     elif isinstance(error, (*AskError, *ClusterCrossSlotError, *ClusterException)) or (
         isinstance(error, ResponseError) and str(error).startswith(_CLUSTER_REPLIES)
     ):
@@ -279,6 +286,16 @@ def check_version(info: object) -> None:
 
 # The start of the error reply the script gives for a value that is not a bucket.
 _CORRUPT_REPLY: Final = "BUCKETLIMIT corrupt"
+
+
+def leased_bucket(error: BaseException) -> bool:
+    """A batch's error reply for one allow whose bucket has leases out (bucket.lua):
+    nothing ran for it, and it is sent again alone (docs/design.md §6, "Hot keys:
+    leases")."""
+    return isinstance(error, ResponseError) and str(error).startswith(_LEASED_REPLY)
+
+
+_LEASED_REPLY: Final = "BUCKETLIMIT leased bucket"
 
 
 def store_error(error: BaseException, keys: list[bytes]) -> BaseException:

@@ -106,6 +106,11 @@ class Keys:
         """A key no bucket has (a bucket's key never ends with its ':'), for ``check()``."""
         return self.prefix + b"{bucketlimit-check}:"
 
+    def processes(self) -> bytes:
+        """The sorted set of the live processes sharing this prefix's limiter (no
+        bucket's key: those never end with ':')."""
+        return self.prefix + b"{bucketlimit-processes}:"
+
 
 def check_one_slot(keys: Sequence[bytes]) -> None:
     """On a Redis Cluster one script's keys must share a hash slot: say so before sending."""

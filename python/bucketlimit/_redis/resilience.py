@@ -25,6 +25,7 @@ import logging
 import math
 import operator
 import os
+import socket
 import threading
 import time
 import weakref
@@ -97,7 +98,10 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
 # TypeError for the wrong type, ValueError for the wrong value.
 
 
-def check_processes(processes: object) -> int:
+def check_processes(processes: object) -> int | None:
+    """``processes``: ``None`` (learned from the store) or an int >= 1."""
+    if processes is None:
+        return None
     if isinstance(processes, (bool, float)):
         raise TypeError(f"processes must be an int, got {type(processes).__name__}")
     try:
@@ -132,6 +136,79 @@ def check_policy(on_store_error: object) -> Policy:
     return cast("Policy", on_store_error)
 
 
+#: Seconds between two heartbeats of a process sharing a limiter (at most one a
+#: process and limiter per interval, sent after a call the store answered).
+HEARTBEAT_INTERVAL: Final = 10.0
+#: Seconds a process counts as live after its last heartbeat.
+PROCESS_TTL: Final = 30.0
+
+
+def _member() -> str:
+    """This process's name among the processes sharing a limiter: new in each fork."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(6).hex()}"
+
+
+class Processes:
+    """How many processes share a limiter, which sets the ``"local"`` share.
+
+    ``processes=N`` fixes it. By default (``None``) it is learned from the store
+    while the store is up: each process says it is alive at most once every
+    :data:`HEARTBEAT_INTERVAL` seconds (the first time after it has shared the
+    limit that long) and counts for :data:`PROCESS_TTL` seconds after, and the
+    store answers how many count now (docs/design.md §6, "How many processes").
+    Until the store has answered once, one process is assumed.
+    """
+
+    def __init__(self, fixed: int | None) -> None:
+        self.fixed = fixed
+        self.count = 1 if fixed is None else fixed
+        self.known = fixed is not None
+        self.refused = False  # the store refused the heartbeat (an ACL): never counted
+        self.member = _member()
+        self._next = time.monotonic() + HEARTBEAT_INTERVAL  # when the next heartbeat is due
+        fork_safe(self)
+
+    def _after_fork(self) -> None:
+        self.member = _member()  # the child is another process: it counts itself
+        self._next = time.monotonic() + HEARTBEAT_INTERVAL
+
+    def pending(self) -> bool:
+        """Whether a heartbeat is due (``due`` claims it); changes nothing."""
+        return self.fixed is None and time.monotonic() >= self._next
+
+    def due(self) -> bool:
+        """True once an interval (to the call that asks first): send a heartbeat."""
+        if self.fixed is not None:
+            return False
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + HEARTBEAT_INTERVAL
+        return True
+
+    def learned(self, count: int) -> bool:
+        """The store counted ``count`` live processes; True when the count changed."""
+        changed = count != self.count
+        self.count = max(1, count)
+        self.known = True
+        return changed
+
+    def describe(self) -> str:
+        if self.fixed is not None:
+            return f"with processes={self.fixed} fixed"
+        if self.known:
+            return f"with {self.count} live processes counted by the store"
+        if self.refused:
+            return (
+                "assuming 1 process: the store refused the heartbeat that counts the "
+                "processes sharing the limit (pass processes=N to fix the number)"
+            )
+        return (
+            "assuming 1 process: the store has not answered yet, so the processes "
+            "sharing the limit are not known (pass processes=N to fix the number)"
+        )
+
+
 class Gate(enum.Enum):
     """What the breaker lets a call do."""
 
@@ -161,7 +238,7 @@ class Breaker:
         self,
         retry_interval: float,
         name: str,
-        fallback: str,
+        fallback: str | Callable[[], str],
         *,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -200,6 +277,11 @@ class Breaker:
             self._probing = True
             return PROBE
 
+    def skips(self) -> bool:
+        """Whether a call asking now would be answered without the store (open, and
+        not yet time for a probe); changes nothing."""
+        return self.open and self.retry_interval > 0 and self._monotonic() < self._retry_at
+
     def succeeded(self, gate: Gate, *, wrote: bool = True) -> None:
         """The store answered (even with an error reply about one key); ``wrote``:
         the answer was a write (an allow that spent, a refund, a reset)."""
@@ -218,7 +300,11 @@ class Breaker:
             self._until_write = False
             outage = self._monotonic() - self.opened_at
             skipped, self._skipped = self._skipped, 0
-        logger.info(
+        # INFO where the application configured logging; where it configured none,
+        # a WARNING, which logging's last resort writes to stderr, as it wrote the
+        # outage's start: an outage's end is never silent either (issue 19 A2).
+        logger.log(
+            logging.INFO if logger.hasHandlers() else logging.WARNING,
             "%s: the store answers again after %.1f s; %d calls were answered without it",
             self._name,
             outage,
@@ -244,7 +330,7 @@ class Breaker:
             "%s: the store failed (%s); %s until one call asks it again after %g s",
             self._name,
             self._last_error,
-            self._fallback,
+            self._fallback() if callable(self._fallback) else self._fallback,
             self.retry_interval,
         )
 

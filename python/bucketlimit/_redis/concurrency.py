@@ -1,0 +1,879 @@
+"""Concurrency permits shared through Redis (docs/design.md §6, "Concurrency permits"):
+the public classes, re-exported by ``bucketlimit.redis``.
+
+:class:`RedisConcurrencyLimiter` and :class:`AsyncRedisConcurrencyLimiter` answer
+as :class:`bucketlimit.ConcurrencyLimiter` does, for every process using the same
+keys and prefix, on the server's clock; their permits are :class:`RedisPermit`
+and :class:`AsyncRedisPermit`. Every operation is a flow of
+``bucketlimit._redis.permits``; the classes drive it in one line a method, with
+a blocking call or with ``await``. A waiting flow also yields ``Sleep`` steps,
+which the drivers here wait out on the waiter's wake-ups
+(``bucketlimit._redis.wakeups``) or on the limiter's clock, and ``Local`` steps
+(a policy's answer that waits in process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, SupportsIndex, TypedDict, TypeVar, cast
+
+from bucketlimit import _core
+from bucketlimit._redis import permits
+from bucketlimit._redis.clients import DEFAULT_TIMEOUT, LazyClient, client_from_url
+from bucketlimit._redis.drivers import run, run_async
+from bucketlimit._redis.flows import Command, Flow, Flowing, Part, check_wait
+from bucketlimit._redis.keys import Keys
+from bucketlimit._redis.limiter import check_client
+from bucketlimit._redis.limiter import state_of as bucket_state_of
+from bucketlimit._redis.permits import Held, Local, PermitPart, PermitState, Sleep
+from bucketlimit._redis.resilience import (
+    LOCAL,
+    Policy,
+    check_policy,
+    check_processes,
+    check_retry_interval,
+)
+from bucketlimit._redis.script import ALLOW, Mode
+from bucketlimit._redis.wakeups import (
+    POLL_WITHOUT_WAKEUPS,
+    Waiter,
+    Wakeups,
+    start_task,
+    start_thread,
+)
+from bucketlimit._stats import RedisConcurrencyStats
+
+if TYPE_CHECKING:
+    from typing import Self, Unpack
+
+logger = logging.getLogger("bucketlimit")
+
+C = TypeVar("C")
+T = TypeVar("T")
+
+
+# -- the drivers of a waiting flow ---------------------------------------------------
+
+
+def _sleeper(state: PermitState, name: str) -> Callable[..., Any] | None:
+    sleep = getattr(state.clock, name, None)
+    return sleep if callable(sleep) else None
+
+
+def _waited(state: PermitState, seconds: float) -> float:
+    """How long a waiter waits for its wake-up: while no subscription is heard, it
+    asks the store every POLL_WITHOUT_WAKEUPS seconds."""
+    return seconds if state.wakeups.heard else min(seconds, POLL_WITHOUT_WAKEUPS)
+
+
+#: The waiters of one call (a permit's acquire has one; acquire_all one per permit),
+#: each registered with its limiter's wake-ups, by name.
+Waiters = dict[str, tuple[Wakeups, Waiter]]
+
+
+def waiters_for(states: Sequence[PermitState]) -> tuple[Waiters, list[str]]:
+    """A waiter registered for each of ``states`` (before the call's first command:
+    a wake-up sent once it is queued finds it), and their names in order."""
+    waiters: Waiters = {}
+    names = []
+    for state in states:
+        waiter = state.wakeups.register()
+        waiters[waiter.name] = (state.wakeups, waiter)
+        names.append(waiter.name)
+    return waiters, names
+
+
+def _unregister(waiters: Waiters) -> None:
+    for wakeups, waiter in waiters.values():
+        wakeups.unregister(waiter)
+
+
+def drive_waits(flow: permits.Waits, state: Any, waiters: Waiters) -> Any:
+    """The blocking loop of a waiting flow: commands sent with blocking calls (on
+    ``state``'s client), a ``Sleep`` waited on its waiter's wake-ups (the listener
+    started for it) or with the clock's ``sleep``, a ``Local`` call made. An
+    exception (``KeyboardInterrupt``) is thrown into the flow, which leaves its
+    queue first."""
+    flowing = Flowing(cast("Flow[Any]", flow))
+    listening: set[int] = set()
+    try:
+        while (step := cast("Any", flowing.command)) is not None:
+            try:
+                if isinstance(step, Sleep):
+                    sleep = _sleeper(step.state, "sleep")
+                    if sleep is not None:
+                        sleep(step.seconds)
+                        got = None
+                    else:
+                        if id(step.state) not in listening:
+                            start_thread(step.state.wakeups, step.state.connect())
+                            listening.add(id(step.state))
+                        got = waiters[step.name][1].wait(_waited(step.state, step.seconds))
+                elif isinstance(step, Local):
+                    got = step.call()
+                else:
+                    got = _send(state, step)
+            except BaseException as raised:  # the flow decides what it means
+                flowing.feed(raised, thrown=True)
+            else:
+                flowing.feed(got, thrown=False)
+    finally:
+        _unregister(waiters)
+    value, error = flowing.outcome
+    if error is not None:
+        raise error
+    return value
+
+
+async def drive_waits_async(
+    flow: permits.Waits,
+    state: Any,
+    waiters: Waiters,
+    undo: Callable[[Any], Awaitable[None]],
+    *,
+    blocking: bool = False,
+) -> Any:
+    """The asyncio loop of a waiting flow (``blocking``: its commands sent with
+    blocking calls, the sync limiter's ``acquire_async``). Cancel-safe: cancelled
+    while a command is on its way or while it waits, the rest of the flow runs in a
+    task of its own (the reply lands, the waiter leaves its queue, a permit it got
+    meanwhile is released: ``undo`` of the flow's answer), and the cancellation
+    goes on at once."""
+    flowing = Flowing(cast("Flow[Any]", flow))
+    listening: set[int] = set()
+    handed_on = False
+    try:
+        if flowing.command is None:
+            await asyncio.sleep(0)
+        while (step := cast("Any", flowing.command)) is not None:
+            task: asyncio.Future[Any] | None = None
+            try:
+                if isinstance(step, Sleep):
+                    sleep = _sleeper(step.state, "sleep_async")
+                    if sleep is not None:
+                        await sleep(step.seconds)
+                        got = None
+                    else:
+                        if id(step.state) not in listening:
+                            client = step.state.connect()
+                            if blocking:
+                                start_thread(step.state.wakeups, client)
+                            else:
+                                start_task(step.state.wakeups, client)
+                            listening.add(id(step.state))
+                        waiter = waiters[step.name][1]
+                        got = await waiter.wait_async(_waited(step.state, step.seconds))
+                elif isinstance(step, Local):
+                    got = await step.call_async()
+                elif blocking:
+                    got = _send(state, step)
+                else:
+                    task = asyncio.ensure_future(_send_async(state, step))
+                    got = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                handed_on = True
+                _finish_later(flowing, state, waiters, task, undo, blocking=blocking)
+                raise
+            except BaseException as raised:
+                flowing.feed(raised, thrown=True)
+            else:
+                flowing.feed(got, thrown=False)
+    finally:
+        if not handed_on:
+            _unregister(waiters)
+    value, error = flowing.outcome
+    if error is not None:
+        raise error
+    return value
+
+
+def _send(state: Any, command: Command) -> Any:
+    client = state.client if state.client is not None else state.connect()
+    return getattr(client, command.name)(*command.argv)
+
+
+async def _send_async(state: Any, command: Command) -> Any:
+    client = state.client if state.client is not None else state.connect()
+    return await getattr(client, command.name)(*command.argv)
+
+
+#: The rests of cancelled waits, held until they end (the loop keeps weak references).
+_FINISHING: set[asyncio.Future[None]] = set()
+
+
+def _finish_later(
+    flowing: Flowing,
+    state: Any,
+    waiters: Waiters,
+    task: asyncio.Future[Any] | None,
+    undo: Callable[[Any], Awaitable[None]],
+    *,
+    blocking: bool,
+) -> None:
+    """A cancelled wait's rest, in a task of its own: the reply of the command on its
+    way lands (``task``), every later wait is cancelled at once (the flow leaves the
+    queue), and what the flow got is undone."""
+
+    async def finish() -> None:
+        try:
+            if task is not None:
+                try:
+                    reply = await task
+                except BaseException as raised:
+                    flowing.feed(raised, thrown=True)
+                else:
+                    flowing.feed(reply, thrown=False)
+            while (step := cast("Any", flowing.command)) is not None:
+                if isinstance(step, (Sleep, Local)):
+                    flowing.feed(asyncio.CancelledError(), thrown=True)
+                    continue
+                try:
+                    reply = _send(state, step) if blocking else await _send_async(state, step)
+                except BaseException as raised:
+                    flowing.feed(raised, thrown=True)
+                else:
+                    flowing.feed(reply, thrown=False)
+            value, error = flowing.outcome
+            if error is None and value is not None:
+                await undo(value)
+        except Exception:
+            logger.debug("%s: a cancelled wait could not end cleanly", state.name, exc_info=True)
+        finally:
+            _unregister(waiters)
+
+    rest = asyncio.ensure_future(finish())
+    _FINISHING.add(rest)
+    rest.add_done_callback(_FINISHING.discard)
+
+
+# -- permits -------------------------------------------------------------------------
+
+
+class RedisPermit(permits.PermitHolder):
+    """A concurrency permit held on Redis (or, without the store, as the failure
+    policy gave it); truthy when granted. ``token`` is its fencing token: larger
+    for every later grant of the key by the store, across every process; a
+    degraded permit's (``decision.degraded``) comes from this process's local
+    limiter and is not comparable with the store's (docs/redis.md, "Concurrency
+    permits across processes"). A context manager, ``with`` and ``async with``,
+    releasing it on exit."""
+
+    __slots__ = ()
+
+    def release(self) -> None:
+        """Frees its slot for the key's first waiter (one script). Once: later calls,
+        and a call on a refusal or an expired permit, free nothing of anyone else's.
+        A release that cannot reach the store is counted (``lost_releases``) and
+        logged, and the permit expires by its ttl; under ``"raise"`` the client's
+        error (or ``StoreUnavailableError``) is raised too, the permit released
+        all the same (a second call sends nothing)."""
+        if self.claim():
+            run(permits.release(self._state, self._held), self._state)
+
+    def renew(self) -> bool:
+        """Extends it to ``ttl`` seconds from now, on the store's clock; False when it
+        expired or was released (a renewal never brings a permit back), or when the
+        store cannot say."""
+        if self.released:
+            return False
+        return run(permits.renew(self._state, self._held), self._state)
+
+    def valid(self) -> bool:
+        """Whether it is held now on the store's clock (a read): granted, not
+        released, not expired; False when the store cannot say."""
+        if self.released:
+            return False
+        return run(permits.valid(self._state, self._held), self._state)
+
+    def __enter__(self) -> RedisPermit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> RedisPermit:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()  # the sync limiter's: a blocking round trip, as its calls are
+
+
+class AsyncRedisPermit(permits.PermitHolder):
+    """:class:`RedisPermit` of the asyncio limiter: ``release``, ``renew`` and
+    ``valid`` are coroutines; ``async with`` releases it on exit."""
+
+    __slots__ = ()
+
+    async def release(self) -> None:
+        """:meth:`RedisPermit.release`, awaited (shielded: a second cancellation
+        cannot lose it)."""
+        if self.claim():
+            await _shielded(run_async(permits.release(self._state, self._held), self._state))
+
+    async def renew(self) -> bool:
+        """:meth:`RedisPermit.renew`, awaited."""
+        if self.released:
+            return False
+        return await run_async(permits.renew(self._state, self._held), self._state)
+
+    async def valid(self) -> bool:
+        """:meth:`RedisPermit.valid`, awaited."""
+        if self.released:
+            return False
+        return await run_async(permits.valid(self._state, self._held), self._state)
+
+    async def __aenter__(self) -> AsyncRedisPermit:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.release()
+
+
+async def _shielded(work: Awaitable[T]) -> T:
+    """``work`` in a task of its own: cancelled while it runs, it runs on."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        _FINISHING.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(_FINISHING.discard)
+        raise
+
+
+# -- the limiters -----------------------------------------------------------------------
+
+
+class Options(TypedDict, total=False):
+    """The constructor's keyword arguments, for ``from_url``."""
+
+    ttl: float | SupportsIndex
+    clock: Callable[[], float] | None
+    prefix: str | None
+    hash_tag: Callable[[str], str] | None
+    on_store_error: Policy
+    processes: SupportsIndex | None
+    retry_interval: float
+
+
+class RedisConcurrency(Generic[C]):
+    """What both Redis concurrency limiter classes share: the constructor (every
+    argument checked, nothing sent), ``from_url``, the configuration, ``stats()``
+    and ``repr``."""
+
+    _asyncio: ClassVar[bool]
+    _other: ClassVar[str]
+
+    def __init__(
+        self,
+        client: C | LazyClient,
+        limit: SupportsIndex,
+        *,
+        ttl: float | SupportsIndex = 60.0,
+        clock: Callable[[], float] | None = None,
+        prefix: str | None = None,
+        hash_tag: Callable[[str], str] | None = None,
+        on_store_error: Policy = LOCAL,
+        processes: SupportsIndex | None = None,
+        retry_interval: float = 1.0,
+    ) -> None:
+        cluster = check_client(client, asyncio=self._asyncio, other=self._other)
+        probe = _core_limiter(limit, ttl)
+        seconds, micros = permits.check_ttl(ttl)
+        if clock is not None and not callable(clock):
+            raise TypeError(
+                "clock must be a zero-argument callable returning seconds, "
+                f"got {type(clock).__name__}"
+            )
+        if prefix is None:
+            prefix = permits.default_prefix(probe.limit, micros)
+        keys = Keys(prefix, hash_tag)
+        self._state = PermitState(
+            client,
+            cluster=cluster,
+            limit=probe.limit,
+            ttl=seconds,
+            ttl_micros=micros,
+            clock=clock,
+            keys=keys,
+            policy=check_policy(on_store_error),
+            processes=check_processes(processes),
+            retry_interval=check_retry_interval(retry_interval),
+            name=f"{type(self).__name__}(prefix={prefix!r})",
+        )
+        self._owned: LazyClient | None = None
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        limit: SupportsIndex,
+        *,
+        cluster: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        **options: Unpack[Options],
+    ) -> Self:
+        """A limiter on a new client for ``url`` (:func:`bucketlimit.redis.client_from_url`:
+        ``timeout`` seconds to connect and to answer, no command retries), built on
+        first use; ``options`` are the constructor's keyword arguments."""
+        lazy = client_from_url(url, asyncio=cls._asyncio, cluster=cluster, timeout=timeout)
+        limiter = cls(lazy, limit, **options)
+        limiter._owned = lazy
+        return limiter
+
+    @property
+    def client(self) -> C:
+        """The client; ``from_url``'s is built by the first call or by reading this."""
+        return cast("C", self._state.connect())
+
+    @property
+    def limit(self) -> int:
+        return self._state.limit
+
+    @property
+    def ttl(self) -> float:
+        """Seconds a permit lives without a renewal, on the store's clock."""
+        return self._state.ttl
+
+    @property
+    def prefix(self) -> str:
+        """The start of every key: the one given, or ``bucketlimit:permits:``, the
+        limit and the ttl in µs (docs/redis.md, "Concurrency permits across
+        processes")."""
+        return self._state.keys.prefix.decode("utf-8")
+
+    @property
+    def on_store_error(self) -> Policy:
+        return self._state.policy
+
+    @property
+    def processes(self) -> int:
+        """The processes this one shares the limit with (itself included): the one
+        given, or the count the store keeps of live ones (1 until it answered)."""
+        return self._state.processes.count
+
+    @property
+    def retry_interval(self) -> float:
+        return self._state.retry_interval
+
+    def redis_key(self, key: str) -> bytes:
+        """The Redis key of ``key``'s permits (``prefix{tag}:key``; ``:h``, ``:q`` and
+        ``:g`` after it name its held permits, its queue and its grants waiting to
+        be picked up); checks ``key`` as every call does."""
+        return self._state.key(key)
+
+    def stats(self) -> RedisConcurrencyStats:
+        """Counters of this limiter object: ``granted`` and ``refused`` answers,
+        ``released`` (permits released by their holder before they expired),
+        ``abandoned`` (waits given up by a cancellation or an exception),
+        ``store_calls``, ``script_loads``, ``store_errors``, ``fallback_decisions``
+        (answers with ``degraded=True``), ``lost_releases`` (releases that could not
+        reach the store: those permits expire by their ttl), ``breaker_openings``,
+        ``breaker_open`` (breakers open now), ``waiting`` (this object's waiters now)
+        and ``wakeups`` (grants told to its waiters by a message)."""
+        state = self._state
+        stats: dict[str, int] = state.counters.snapshot()
+        breakers = state.breakers.all()
+        stats["breaker_openings"] = sum(breaker.openings for breaker in breakers)
+        stats["breaker_open"] = sum(breaker.open for breaker in breakers)
+        stats["waiting"] = state.wakeups.waiting()
+        stats["wakeups"] = state.wakeups.messages
+        return cast("RedisConcurrencyStats", stats)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(limit={self.limit}, ttl={self.ttl!r}, prefix={self.prefix!r})"
+        )
+
+
+def _core_limiter(limit: object, ttl: object) -> Any:
+    """``limit`` and ``ttl`` checked by the in-process limiter's own rules."""
+    from bucketlimit._core import ConcurrencyLimiter
+
+    return ConcurrencyLimiter(limit, ttl=ttl)  # type: ignore[arg-type]
+
+
+def state_of(limiter: RedisConcurrency[Any]) -> PermitState:
+    """A limiter's state, for the calls over several limiters (``bucketlimit.redis``)."""
+    return limiter._state
+
+
+if TYPE_CHECKING:
+    import redis
+    import redis.asyncio
+    import valkey
+    import valkey.asyncio
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+    from valkey.asyncio.cluster import ValkeyCluster as AsyncValkeyCluster
+    from valkey.cluster import ValkeyCluster
+
+    SyncClient = redis.Redis | RedisCluster | valkey.Valkey | ValkeyCluster
+    AsyncClient = (
+        redis.asyncio.Redis | AsyncRedisCluster | valkey.asyncio.Valkey | AsyncValkeyCluster
+    )
+else:
+    SyncClient = AsyncClient = Any
+
+
+class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
+    """At most ``limit`` permits held per key, across every process using the same
+    keys and prefix (docs/redis.md, "Concurrency permits across processes"):
+    :class:`bucketlimit.ConcurrencyLimiter` on Redis, with the same answers, on
+    the server's clock.
+
+    ``client`` is a blocking redis-py or valkey-py client (standalone or cluster)
+    or what :func:`bucketlimit.redis.client_from_url` built; or use
+    :meth:`from_url`. ``ttl``: seconds a permit lives unless released or renewed.
+    ``clock=None`` uses the server's time (a clock given is sent to the script
+    instead: tests). ``prefix`` starts every key (by default
+    ``bucketlimit:permits:``, the limit and the ttl), ``hash_tag(key) -> str`` picks a
+    key's Redis Cluster hash tag. When the store fails: ``on_store_error``
+    (``"local"``: this process's share, ``limit // processes`` permits per key, in
+    process; ``"open"``, ``"closed"``, ``"raise"``), the store then skipped for
+    ``retry_interval`` seconds. Nothing is sent at construction.
+    """
+
+    _asyncio = False
+    _other = "AsyncRedisConcurrencyLimiter for asyncio clients"
+
+    def try_acquire(self, key: str) -> RedisPermit:
+        """A permit now, or a refusal (falsy); never waits, never jumps the queue."""
+        return RedisPermit(self._state, run(permits.take(self._state, key), self._state))
+
+    def acquire(self, key: str, *, timeout: float | None = None) -> RedisPermit:
+        """Blocks this thread until a permit is handed to it, in the order the server
+        received the requests (every process's); a refusal (falsy) as soon as
+        ``timeout`` seconds have passed. It sleeps until woken by the release that
+        hands it a slot, or until a slot is sure to free by expiry (without the
+        store's messages, asking every 0.75 s). An exception while it waits (``KeyboardInterrupt``)
+        leaves the queue first."""
+        waiters, names = waiters_for([self._state])
+        flow = permits.acquire(self._state, key, timeout, names[0])
+        return RedisPermit(self._state, drive_waits(flow, self._state, waiters))
+
+    async def acquire_async(self, key: str, *, timeout: float | None = None) -> RedisPermit:
+        """``acquire`` for asyncio code holding this sync limiter: its commands are
+        blocking round trips, as ``try_acquire`` is from async code, and its waits
+        are awaited. A task cancelled while it waits leaves the queue (a permit
+        handed to it meanwhile goes to the next). An asyncio service should use
+        :class:`AsyncRedisConcurrencyLimiter`."""
+        waiters, names = waiters_for([self._state])
+        flow = permits.acquire(self._state, key, timeout, names[0])
+        held = await drive_waits_async(flow, self._state, waiters, self._undo, blocking=True)
+        return RedisPermit(self._state, held)
+
+    async def _undo(self, held: Held) -> None:
+        RedisPermit(self._state, held).release()
+
+    def in_flight(self, key: str) -> int:
+        """The key's permits held now (every process's; the expired ones gone)."""
+        return run(permits.in_flight(self._state, key), self._state)
+
+    def check(self) -> None:
+        """Asks the store now (connects, runs the script as a read, reads the
+        version): ``ConfigurationError`` for what no retry will fix, the client's
+        error when the store cannot be reached. The limiter never calls it."""
+        run(permits.check(self._state), self._state)
+
+    def close(self) -> None:
+        """Stops the wake-up listener and closes the client :meth:`from_url` built
+        (a client you gave it stays yours). Also ``with limiter:``."""
+        self._state.wakeups.stop()
+        if self._owned is not None and self._owned.built:
+            self._owned.get().close()
+
+    def __enter__(self) -> RedisConcurrencyLimiter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncRedisConcurrencyLimiter(RedisConcurrency[AsyncClient]):
+    """:class:`RedisConcurrencyLimiter` for ``redis.asyncio`` and ``valkey.asyncio``
+    clients: the methods that talk to Redis are coroutines, and so are its permits'
+    ``release``, ``renew`` and ``valid``."""
+
+    _asyncio = True
+    _other = "RedisConcurrencyLimiter for blocking clients"
+
+    async def try_acquire(self, key: str) -> AsyncRedisPermit:
+        """:meth:`RedisConcurrencyLimiter.try_acquire`, awaited."""
+        flow = permits.take(self._state, key)
+        return AsyncRedisPermit(self._state, await _taken(flow, self._state))
+
+    async def acquire(self, key: str, *, timeout: float | None = None) -> AsyncRedisPermit:
+        """:meth:`RedisConcurrencyLimiter.acquire`, awaited. Cancel-safe: a task
+        cancelled while it waits (or while its request is on its way) leaves the
+        queue, and a permit handed to it meanwhile goes at once to the next."""
+        waiters, names = waiters_for([self._state])
+        flow = permits.acquire(self._state, key, timeout, names[0])
+        held = await drive_waits_async(flow, self._state, waiters, self._undo)
+        return AsyncRedisPermit(self._state, held)
+
+    #: The same coroutine as :meth:`acquire`, for code written for
+    #: ``ConcurrencyLimiter.acquire_async``.
+    acquire_async = acquire
+
+    async def _undo(self, held: Held) -> None:
+        await AsyncRedisPermit(self._state, held).release()
+
+    async def in_flight(self, key: str) -> int:
+        """:meth:`RedisConcurrencyLimiter.in_flight`, awaited."""
+        return await run_async(permits.in_flight(self._state, key), self._state)
+
+    async def check(self) -> None:
+        """:meth:`RedisConcurrencyLimiter.check`, awaited."""
+        await run_async(permits.check(self._state), self._state)
+
+    async def aclose(self) -> None:
+        """Stops the wake-up listener and closes the client :meth:`from_url` built.
+        Also ``async with limiter:``."""
+        self._state.wakeups.stop()
+        if self._owned is not None and self._owned.built:
+            await self._owned.get().aclose()
+
+    async def __aenter__(self) -> AsyncRedisConcurrencyLimiter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def _taken(flow: Flow[Held], state: PermitState) -> Held:
+    """``try_acquire``'s round trip, shielded: cancelled while its script may have
+    run, it lets the reply land and releases a permit it got."""
+    task = asyncio.ensure_future(run_async(flow, state))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda done: _release_when_done(done, state))
+        raise
+
+
+def _release_when_done(task: asyncio.Future[Held], state: PermitState) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    held = task.result()
+    if held.member is not None or held.local is not None:
+        permit = AsyncRedisPermit(state, held)
+        rest = asyncio.ensure_future(permit.release())
+        _FINISHING.add(rest)
+        rest.add_done_callback(_FINISHING.discard)
+
+
+__all__ = [
+    "AsyncRedisConcurrencyLimiter",
+    "AsyncRedisPermit",
+    "RedisConcurrencyLimiter",
+    "RedisPermit",
+]
+
+
+# -- permits among token buckets: the *_all calls ----------------------------------------
+
+
+def split(
+    checks: Any, cost: object, what: str, *, buckets: type[Any], concurrency: type[Any]
+) -> tuple[list[tuple[Any, str, int]], list[Part], list[PermitPart], list[bool]]:
+    """The checks of a call over Redis token buckets (``buckets``, the class of the
+    call's kind) and concurrency limiters (``concurrency``), every one checked
+    before anything is sent: pairs or triples (a permit's cost 1), one client,
+    keys, duplicates, costs. Answers them as ``(limiter, key, cost)``, the buckets'
+    and the permits' parts, and per check whether it is a permit's."""
+    named: list[tuple[Any, str, int]] = []
+    parts: list[Part] = []
+    pparts: list[PermitPart] = []
+    where: list[bool] = []
+    seen: set[tuple[int, str]] = set()
+    client: object = None
+    for item in checks:
+        if not isinstance(item, tuple) or len(item) not in (2, 3):
+            raise TypeError(
+                f"{what} takes a sequence of (limiter, key) pairs or (limiter, key, cost) "
+                f"triples, got {type(item).__name__}"
+            )
+        limiter, key = item[0], item[1]
+        if isinstance(limiter, concurrency):
+            state: Any = state_of(limiter)
+        elif isinstance(limiter, buckets):
+            state = bucket_state_of(limiter)
+        else:
+            raise TypeError(
+                f"{what} takes {buckets.__name__} or {concurrency.__name__} instances here, "
+                f"got {type(limiter).__name__}"
+            )
+        if client is not None and state.same_client() is not client:
+            raise ValueError(
+                f"{what} runs one script on one client: every Redis limiter in it "
+                "must share the same client object"
+            )
+        client = state.same_client()
+        if not isinstance(key, str):
+            raise TypeError(f"key must be a str, got {type(key).__name__}")
+        if (id(limiter), key) in seen:
+            raise ValueError(f"{what} got the same (limiter, key) twice: key {key!r}")
+        seen.add((id(limiter), key))
+        if isinstance(limiter, concurrency):
+            if len(item) == 3:
+                one = item[2]
+                if isinstance(one, bool) or not hasattr(type(one), "__index__"):
+                    raise TypeError(f"cost must be an int, got {type(one).__name__}")
+                if one.__index__() != 1:
+                    raise ValueError(
+                        "a concurrency limiter's check takes one permit: its cost must be 1, "
+                        f"got {one.__index__()}"
+                    )
+            state.key(key)  # checks the key
+            named.append((limiter, key, 1))
+            pparts.append((state, key))
+            where.append(True)
+        else:
+            checked = _core.check_cost(item[2] if len(item) == 3 else cost, limiter.capacity)
+            state.keys.bucket(key)
+            named.append((limiter, key, checked))
+            parts.append((state, key, checked))
+            where.append(False)
+    if not named:
+        raise ValueError(f"{what} needs at least one (limiter, key)")
+    return named, parts, pparts, where
+
+
+def has_permits(checks: list[Any]) -> bool:
+    """Whether a call's checks name a Redis concurrency limiter, of either kind (one
+    of the other kind than the call's is then refused by :func:`split`)."""
+    return any(
+        isinstance(item, tuple) and item and isinstance(item[0], RedisConcurrency)
+        for item in checks
+    )
+
+
+def _reserved_permits(
+    holder: type[permits.PermitHolder],
+    combined: permits.Combined,
+    pparts: list[PermitPart],
+    where: list[bool],
+) -> permits.ReservedPermits:
+    holders = [holder(state, held) for (state, _), held in zip(pparts, combined.helds, strict=True)]
+    return permits.ReservedPermits(holders, pparts, where)
+
+
+def reservation(
+    cls: type[Any],
+    holder: type[permits.PermitHolder],
+    named: list[tuple[Any, str, int]],
+    parts: list[Part],
+    pparts: list[PermitPart],
+    where: list[bool],
+    combined: permits.Combined,
+) -> Any:
+    """The reservation of a call over buckets and permits (``cls``: RedisReservation
+    or AsyncRedisReservation; ``holder``: its permits' class)."""
+    held = _reserved_permits(holder, combined, pparts, where)
+    return cls(named, parts, combined.reserved, held)
+
+
+def with_permits(
+    what: str, checks: list[Any], cost: object, max_wait: object, *, kind: Kind, wait: bool
+) -> tuple[list[tuple[Any, str, int]], list[Part], list[PermitPart], list[bool], int | None]:
+    """The checks and the wait of a call over buckets and permits."""
+    name = "timeout" if wait else "max_wait"
+    waited = check_wait(max_wait, name)
+    named, parts, pparts, where = split(
+        checks, cost, what, buckets=kind.buckets, concurrency=kind.concurrency
+    )
+    return named, parts, pparts, where, waited
+
+
+class Kind:
+    """The classes of one kind of call over several Redis limiters (blocking or
+    asyncio), which ``bucketlimit.redis`` gives: its token-bucket class, its
+    concurrency class, its reservation class and its permits' class."""
+
+    def __init__(
+        self, buckets: type[Any], concurrency: type[Any], reservation: type[Any], holder: type[Any]
+    ) -> None:
+        self.buckets = buckets
+        self.concurrency = concurrency
+        self.reservation = reservation
+        self.holder = holder
+
+
+def allow_all(kind: Kind, checks: list[Any], cost: object, mode: Mode, max_wait: object) -> Any:
+    """``allow_all`` (``ALLOW``) and ``reserve_all`` (``RESERVE``) with permits among
+    the checks, blocking: one script; the reservation holding the permits."""
+    named, parts, pparts, where, waited = with_permits(
+        "allow_all" if mode is ALLOW else "reserve_all",
+        checks,
+        cost,
+        max_wait,
+        kind=kind,
+        wait=False,
+    )
+    combined = drive_waits(permits.reserve_all(parts, pparts, mode, waited), pparts[0][0], {})
+    return reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+
+
+async def allow_all_async(
+    kind: Kind, checks: list[Any], cost: object, mode: Mode, max_wait: object
+) -> Any:
+    """:func:`allow_all` for the asyncio limiters (shielded: cancelled while its
+    script is on its way, it gives back what it got once the reply lands)."""
+    named, parts, pparts, where, waited = with_permits(
+        "allow_all" if mode is ALLOW else "reserve_all",
+        checks,
+        cost,
+        max_wait,
+        kind=kind,
+        wait=False,
+    )
+
+    async def undo(combined: permits.Combined) -> None:
+        made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+        await made.cancel()
+
+    flow = permits.reserve_all(parts, pparts, mode, waited)
+    combined = await drive_waits_async(flow, pparts[0][0], {}, undo)
+    return reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+
+
+def acquire_all(kind: Kind, checks: list[Any], cost: object, timeout: object) -> Any:
+    """``acquire_all`` with permits among the checks, blocking: waits for the permits
+    (in the order of their Redis keys, FIFO each), then for the tokens; answers the
+    reservation holding them (its ``settle`` / ``cancel`` release them)."""
+    named, parts, pparts, where, waited = with_permits(
+        "acquire_all", checks, cost, timeout, kind=kind, wait=True
+    )
+    waiters, names = waiters_for([state for state, _ in pparts])
+    flow = permits.acquire_all(parts, pparts, waited, names)
+    combined = drive_waits(flow, pparts[0][0], waiters)
+    made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+    made.wait()
+    return made
+
+
+async def acquire_all_async(kind: Kind, checks: list[Any], cost: object, timeout: object) -> Any:
+    """:func:`acquire_all` for the asyncio limiters; cancel-safe (a cancelled waiter
+    leaves its queue, and what it held or was handed goes back)."""
+    named, parts, pparts, where, waited = with_permits(
+        "acquire_all", checks, cost, timeout, kind=kind, wait=True
+    )
+
+    async def undo(combined: permits.Combined) -> None:
+        made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+        await made.cancel()
+
+    waiters, names = waiters_for([state for state, _ in pparts])
+    flow = permits.acquire_all(parts, pparts, waited, names)
+    combined = await drive_waits_async(flow, pparts[0][0], waiters, undo)
+    made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+    await made.wait()
+    return made

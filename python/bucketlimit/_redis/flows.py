@@ -1,0 +1,1071 @@
+"""Every Redis operation, each written once, as a flow (docs/design.md §6).
+
+A flow is a generator over a :class:`~bucketlimit._redis.state.LimiterState`: it
+yields each command it needs (a :class:`Command`: a client method and its
+arguments), is sent the reply or has the client's error thrown in at that
+``yield``, and returns the operation's answer (the shape of httpx's ``auth_flow``).
+The drivers only do the I/O: ``drivers.run`` with blocking calls, ``drivers.run_async``
+with ``await``, ``batching`` many allows in one round trip. So each operation reads
+top to bottom here: its checks, the refusal cache, the breaker, the command, the
+reply, the failure policy, the counting.
+
+One sub-flow, :func:`ask`, sends every command and says what a failure means
+(EVALSHA, EVAL once after ``NOSCRIPT``, once more after a redirection storm, the
+error classified once); the operations only say what their answer is with the
+store and without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Final, NoReturn, TypeVar
+
+from bucketlimit import _core
+from bucketlimit._core import Decision
+from bucketlimit._redis.errors import (
+    CONFIG,
+    CORRUPT,
+    EXHAUSTED,
+    FAULT,
+    REDIRECTED,
+    ClusterError,
+    NoPermissionError,
+    NoScriptError,
+    ResponseError,
+    StoreUnavailableError,
+    check_version,
+    classify,
+    configuration_error,
+    read_only,
+    store_error,
+)
+from bucketlimit._redis.keys import check_one_slot
+from bucketlimit._redis.resilience import (
+    CLOSED,
+    LOCAL,
+    PROCESS_TTL,
+    RAISE,
+    SKIP,
+    STORE,
+    Breaker,
+    Gate,
+)
+from bucketlimit._redis.script import (
+    ALLOW,
+    CHARGE,
+    HEARTBEAT,
+    LUA_EXACT,
+    NONE,
+    OBSERVE,
+    PEEK,
+    REFUND,
+    RESERVE,
+    SERVER_TIME,
+    Mode,
+    Script,
+)
+from bucketlimit._redis.state import Counting, LimiterState, Store
+
+logger = logging.getLogger("bucketlimit")
+
+T = TypeVar("T")
+
+
+class Command:
+    """A client call a flow waits on: ``getattr(client, name)(*argv)``; ``keys`` are
+    the Redis keys it names (for the errors that say which)."""
+
+    __slots__ = ("argv", "keys", "name")
+
+    #: ``(cost, now)`` of a one-key allow that may share a round trip (batching).
+    joins: tuple[int, Any] | None = None
+    #: Sent whole (EVAL) rather than by EVALSHA.
+    whole = False
+
+    def __init__(self, name: str, argv: tuple[Any, ...], keys: Sequence[bytes] = ()) -> None:
+        self.name = name
+        self.argv = argv
+        self.keys = keys
+
+
+class ScriptCommand(Command):
+    """A script: by EVALSHA, or sent whole (EVAL) once the server said NOSCRIPT.
+    ``joins`` is ``(cost, now)`` for a one-key allow of a limiter's own form, which
+    a shared round trip may carry with others (``batching``)."""
+
+    __slots__ = ("args", "joins", "script", "whole")
+
+    def __init__(
+        self,
+        script: Script,
+        keys: Sequence[bytes],
+        args: Sequence[Any],
+        *,
+        joins: tuple[int, Any] | None = None,
+        whole: bool = False,
+    ) -> None:
+        # Written out, not super().__init__: every allow makes one.
+        self.name = "execute_command"
+        self.keys = keys
+        if whole:
+            self.argv = ("EVAL", script.source, len(keys), *keys, *args)
+        else:
+            self.argv = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        self.script = script
+        self.args = args
+        self.joins = joins
+        self.whole = whole
+
+    def sent_whole(self) -> ScriptCommand:
+        return ScriptCommand(self.script, self.keys, self.args, joins=self.joins, whole=True)
+
+
+#: What an operation yields and is sent: a command, then its reply.
+Flow = Generator[Command, Any, T]
+
+
+class Unanswered(Exception):
+    """The store did not answer (``error``; ``None`` when the breaker skipped it): the
+    failure policy answers. ``sent``: the commands sent meanwhile. ``outage``: the
+    breaker knows (it opened on this fault, or it skips the store), and said so in
+    the logs."""
+
+    def __init__(self, error: BaseException | None, sent: int, *, outage: bool = True) -> None:
+        super().__init__(error)
+        self.error = error
+        self.sent = sent
+        self.outage = outage
+
+
+class Corrupt(Exception):
+    """A bucket's key holds something that is not a bucket (``error``, a
+    ``CorruptBucketError``): never an allow. ``sent``: the commands sent."""
+
+    def __init__(self, error: BaseException, sent: int) -> None:
+        super().__init__(error)
+        self.error = error
+        self.sent = sent
+
+
+class Skipped(Exception):
+    """Thrown into a flow waiting for a shared round trip when its breaker opened
+    meanwhile: nothing is sent for it (``batching``)."""
+
+
+class Lost(Exception):
+    """Thrown into the flows of a shared round trip whose reply another caller's
+    interruption lost (a KeyboardInterrupt in the thread that sent it): the store
+    may have run it; the policy answers, and the breaker stays as it was."""
+
+
+def resent(
+    state: Store, command: Command, error: BaseException, redirected: bool
+) -> Command | None:
+    """The command to send again after ``error``, or ``None``: the one rule of
+    resending (docs/design.md §6). A script goes by EVALSHA; after ``NOSCRIPT``
+    (the server lost its scripts: restart, failover, ``SCRIPT FLUSH``) it goes
+    whole once, which is safe because it did not run; after a redirection storm
+    (every node answered MOVED, ASK or TRYAGAIN: no attempt ran) the same command
+    goes once more (``redirected``: it went once more already). Nothing else is
+    resent: a command that timed out may have run, and again could charge twice."""
+    if isinstance(error, NoScriptError) and isinstance(command, ScriptCommand):
+        if not command.whole:
+            state.counters.event("script_loads")
+            return command.sent_whole()
+        return None
+    if not redirected and isinstance(error, ClusterError) and classify(error) == REDIRECTED:
+        return command
+    return None
+
+
+def ask(
+    state: Store,
+    breaker: Breaker,
+    gate: Gate,
+    command: Command,
+    *,
+    failed: BaseException | None = None,
+) -> Flow[tuple[Any, int]]:
+    """The store's reply to ``command``, and the commands sent for it (resent by
+    :func:`resent`'s rule).
+
+    A failure is classified once: the store down, slow or busy raises
+    :class:`Unanswered` (a fault opens the breaker); a corrupt bucket raises
+    :class:`Corrupt` (the store answered); what no retry will fix raises
+    ``ConfigurationError`` whatever the policy; what is not the store's doing (a
+    bug, a cancellation) goes on as it is. ``failed``: the first send already
+    happened and raised this (the common allow of ``bucketlimit.redis``). After
+    an answer, the process's heartbeat goes when one is due (docs/design.md §6,
+    "How many processes").
+    """
+    sent = 0
+    redirected = False
+    while True:
+        sent += 1
+        try:
+            if failed is not None:
+                error, failed = failed, None
+                raise error
+            reply = yield command
+        except GeneratorExit:  # dropped before it was sent (batching)
+            breaker.release(gate)
+            raise
+        except Skipped:  # its breaker opened while it waited for a shared round trip
+            breaker.release(gate)
+            raise Unanswered(None, sent - 1) from None
+        except BaseException as raised:  # the call decides what a failure means
+            again = resent(state, command, raised, redirected)
+            if again is None:
+                raise failure(state, breaker, gate, raised, command, sent) from None
+            redirected = redirected or again is command
+            command = again
+        else:
+            break
+    if state.processes.due():
+        sent += yield from heartbeat(state)
+    return reply, sent
+
+
+def failure(
+    state: Store,
+    breaker: Breaker,
+    gate: Gate,
+    raised: BaseException,
+    command: Command,
+    sent: int,
+) -> Unanswered | Corrupt:
+    """What ``raised`` (the client's error, being handled) means: the exception
+    :func:`ask` raises for the operation to answer by its policy, or raised here
+    (``ConfigurationError``; what is not the store's doing, as it came)."""
+    error = raised
+    if isinstance(error, ResponseError):
+        error = store_error(error, list(command.keys))
+        if error is not raised:
+            error.__cause__ = raised
+    kind = classify(error)
+    if kind == FAULT:
+        state.counters.event("store_errors")
+        breaker.failed(gate, error, read_only=read_only(error))
+        return Unanswered(error, sent)
+    if kind in (EXHAUSTED, REDIRECTED) or isinstance(error, Lost):
+        # This process has no free connection, lost its way among redirections, or
+        # lost a shared reply: the store is not down; the breaker stays as it was.
+        breaker.release(gate)
+        return Unanswered(error, sent, outage=False)
+    if kind == CORRUPT:
+        # The store answered, so it works: no breaker; and never an allow.
+        state.counters.event("store_errors")
+        breaker.succeeded(gate, wrote=False)
+        return Corrupt(error, sent)
+    breaker.release(gate)
+    state.counters.add(sent)  # what it sent still counts
+    if kind == CONFIG:
+        raise configuration_error(error) from error
+    raise raised
+
+
+def heartbeat(state: Store) -> Flow[int]:
+    """This process says it is alive and learns how many are (once an interval,
+    after a call the store answered); a failure only loses this count. Answers
+    the commands it sent."""
+    key = state.keys.processes()
+    if state.cluster and state.breakers.of(state.client, key).open:
+        return 0  # its node is being skipped: no timeout for a count
+    command = ScriptCommand(HEARTBEAT, [key], (state.processes.member, round(PROCESS_TTL * 1000)))
+    for sent in (1, 2):
+        try:
+            count = yield command
+        except NoScriptError:
+            command = command.sent_whole()
+        except Exception as error:
+            if classify(error) == CONFIG and not state.processes.refused:
+                # An ACL without the heartbeat's commands: said once, as no retry helps.
+                state.processes.refused = True
+                logger.warning(
+                    "%s: the store refused the heartbeat that counts the processes "
+                    "sharing the limit (%s): on_store_error='local' will answer as if "
+                    "this process were alone; pass processes=N, or allow the user "
+                    "ZADD, ZREMRANGEBYSCORE, ZCARD and PEXPIRE on the prefix's keys (%s)",
+                    state.name,
+                    error,
+                    "docs/redis.md, 'How many processes'",
+                )
+            else:
+                logger.debug("%s: the heartbeat failed: %r", state.name, error)
+            return sent
+        else:
+            state.learned(int(count))
+            return sent
+    return 2
+
+
+def answered(breaker: Breaker, gate: Gate, *, wrote: bool) -> None:
+    """The store answered: a probe closes the breaker (after ``READONLY`` only a
+    write does). Nothing to do in the common case, the breaker closed."""
+    if gate is not STORE or breaker.open:
+        breaker.succeeded(gate, wrote=wrote)
+
+
+def reraise(error: BaseException) -> NoReturn:
+    """Raises the client's ``error`` as it came: with its own context, not the
+    package's internal exception being handled where this is called."""
+    context, suppress = error.__context__, error.__suppress_context__
+    try:
+        raise error
+    finally:
+        error.__context__, error.__suppress_context__ = context, suppress
+
+
+def refuse(failure: Unanswered | Corrupt, breaker: Breaker) -> NoReturn:
+    """``on_store_error="raise"``: the client's error goes on, and while the breaker
+    skips the store (no error), :class:`StoreUnavailableError`."""
+    if failure.error is None:
+        raise StoreUnavailableError(breaker.describe()) from None
+    reraise(failure.error)
+
+
+def unanswered(
+    state: Store, failure: Unanswered, breaker: Breaker, *, raises: bool | None = None
+) -> None:
+    """Under ``on_store_error="raise"`` (``raises``: for a call over several limiters,
+    whether one of them raises) the call counts what it sent and the client's error
+    goes on (:func:`refuse`); otherwise the answer to come is a degraded one."""
+    if state.policy == RAISE if raises is None else raises:
+        state.counters.add(failure.sent)
+        refuse(failure, breaker)
+    state.degraded(failure.error, logged=failure.outage)
+
+
+def corrupt(
+    state: LimiterState, failure: Corrupt, breaker: Breaker, *, raises: bool | None = None
+) -> Decision:
+    """A corrupt bucket's answer: raised under ``"raise"`` (as :func:`unanswered`),
+    else refused, degraded."""
+    if state.policy == RAISE if raises is None else raises:
+        state.counters.add(failure.sent)
+        refuse(failure, breaker)
+    state.degraded(failure.error, logged=False)
+    return state.fallback.refusal()
+
+
+def not_given_back(
+    state: Store, failure: Unanswered | Corrupt, breaker: Breaker, *, raises: bool
+) -> None:
+    """A give-back or a reset that did not reach the store: counted; raised under
+    ``"raise"``. Nothing is answered without the store (no decision, not degraded)."""
+    state.counters.add(failure.sent)
+    if raises:
+        refuse(failure, breaker)
+
+
+# -- one bucket -------------------------------------------------------------------
+
+
+def own_args(state: LimiterState, mode: Mode, cost: int) -> tuple[Any, ...]:
+    """The arguments of a limiter's own script: cost, mode and now, each only when
+    needed (the script takes cost 1, an allow and the server's TIME when absent)."""
+    if state.clock is not None:
+        return cost, mode.value, state.now()
+    if mode is not ALLOW:
+        return cost, mode.value
+    return (cost,) if cost != 1 else ()
+
+
+def decide(state: LimiterState, key: str, cost: object, *, peek: bool = False) -> Flow[Decision]:
+    """``allow(key, cost)``: refill the bucket and spend ``cost`` if it holds that many;
+    with ``peek``, what allow would answer, writing nothing. A refusal remembered
+    answers at once; then the breaker, and :func:`decided`."""
+    cost = state.cost(cost)
+    bucket = state.keys.bucket(key)
+    args = own_args(state, PEEK if peek else ALLOW, cost)
+    refusals = state.refusals
+    started = 0.0
+    if refusals is not None:
+        started = time.monotonic()  # before sending: a slow reply never stretches a wait
+        cached = refusals.get(bucket, cost, started)
+        if cached is not None:
+            state.counters.event("refusal_cache_hits")
+            state.counters.add(0, None if peek else False)  # counted as a refused allow
+            return cached
+    breaker = state.breaker(bucket)
+    gate = breaker.admit()
+    joins = None if peek else (cost, args[2] if len(args) > 2 else SERVER_TIME)
+    command = ScriptCommand(state.own, (bucket,), args, joins=joins)
+    return (yield from decided(state, key, cost, command, started, breaker, gate, peek=peek))
+
+
+def decided(
+    state: LimiterState,
+    key: str,
+    cost: int,
+    command: ScriptCommand,
+    started: float,
+    breaker: Breaker,
+    gate: Gate,
+    *,
+    peek: bool = False,
+    failed: BaseException | None = None,
+) -> Flow[Decision]:
+    """The rest of :func:`decide` once its gate is known: the script, then the answer
+    from the reply, or the failure policy's. ``failed``: the command was sent already
+    and raised this (:class:`Allow`, the common allow, goes on here)."""
+    try:
+        if gate is SKIP:
+            raise Unanswered(None, 0)
+        reply, sent = yield from ask(state, breaker, gate, command, failed=failed)
+    except Unanswered as failure:
+        unanswered(state, failure, breaker)
+        decision = state.fallback.decide(key, cost, peek=peek)
+        state.counters.add(failure.sent, None if peek else decision.allowed)
+        return decision
+    except Corrupt as failure:
+        decision = corrupt(state, failure, breaker)
+        state.counters.add(failure.sent, None if peek else False)
+        return decision
+    decision = state.decision(reply)
+    answered(breaker, gate, wrote=decision.allowed and not peek)
+    refusals = state.refusals
+    if refusals is not None:
+        if not decision.allowed:
+            refusals.put(command.keys[0], cost, decision, started)
+        elif refusals.entries:
+            refusals.drop(command.keys[0])
+    state.counters.add(sent, None if peek else decision.allowed)
+    return decision
+
+
+#: How a flow ended: its answer, or the error it raises.
+Outcome = tuple[Any, BaseException | None]
+NO_OUTCOME: Final[Outcome] = (None, None)
+
+
+class Flowing:
+    """A flow as the drivers and the shared round trips drive it, without an
+    exception per step: ``command`` is what it waits on, ``None`` once it has its
+    ``outcome``; ``feed`` hands it the reply, or the client's error (``thrown``)."""
+
+    __slots__ = ("_flow", "command", "outcome")
+
+    def __init__(self, flow: Flow[Any]) -> None:
+        self._flow: Flow[Any] | None = flow
+        self.outcome = NO_OUTCOME
+        self.command: Command | None = None
+        self.feed(None, thrown=False)  # runs it to its first command
+
+    def feed(self, value: Any, *, thrown: bool) -> None:
+        flow = self._flow
+        assert flow is not None
+        try:
+            command = flow.throw(value) if thrown else flow.send(value)
+        except StopIteration as done:
+            self.command, self.outcome = None, (done.value, None)
+        except BaseException as error:  # the flow raised: its outcome
+            self.command, self.outcome = None, (None, error)
+        else:
+            self.command = command
+
+    def close(self) -> None:
+        """Given up before its command was sent: the flow is closed, nothing sent."""
+        if self._flow is not None:
+            self._flow.close()
+
+
+# -- the common allow, without a generator -------------------------------------------
+#
+# An allow whose cost is an int within the capacity, while its breaker is closed, no
+# refusal is remembered and no heartbeat is due, is one command and its answer from
+# the reply, exactly as `decide` would send and give them. `Allow` answers it without
+# a flow's generators, and is its own command (`argv`, `keys`, `joins`), so that the
+# common allow costs one object (benches/client_instructions.py measures it). Anything
+# else, and any error of its command, goes to `decide` / `decided`. Held to `decide`
+# by tests/redis/test_redis_quick.py.
+
+
+class Allow(Flowing):
+    """``allow(key, cost)``, driven: the common allow (see above), or :func:`decide`."""
+
+    __slots__ = ("_cost", "_key", "_started", "_state", "argv", "joins", "keys")
+
+    #: As a command: what the drivers send (the own form by EVALSHA, one key).
+    name = "execute_command"
+    whole = False
+
+    def __init__(self, state: LimiterState, key: str, cost: object) -> None:
+        self._state = state
+        self._key = key
+        self._cost = cost
+        self.outcome = NO_OUTCOME
+        refusals = state.refusals
+        if (
+            type(cost) is int
+            and 0 < cost <= state.capacity
+            and (refusals is None or not refusals.entries)
+        ):
+            bucket = state.keys.bucket(key)
+            if not state.breaker(bucket).open and not state.processes.pending():
+                self._flow = None
+                self._started = time.monotonic() if refusals is not None else 0.0
+                args = own_args(state, ALLOW, cost)
+                self.argv = (*state.evalsha, bucket, *args)
+                self.keys = (bucket,)
+                self.joins = (cost, args[2] if len(args) > 2 else SERVER_TIME)
+                self.command = self  # type: ignore[assignment]  # it has a command's shape
+                return
+        super().__init__(decide(state, key, cost))
+
+    def feed(self, value: Any, *, thrown: bool) -> None:
+        if self._flow is not None:
+            super().feed(value, thrown=thrown)
+            return
+        state, cost, bucket = self._state, self._cost, self.keys[0]
+        assert type(cost) is int
+        if thrown:  # its command failed: decided answers, with what was sent
+            args = self.argv[4:]
+            command = ScriptCommand(state.own, self.keys, args, joins=self.joins)
+            breaker = state.breaker(bucket)
+            flow = decided(
+                state, self._key, cost, command, self._started, breaker, STORE, failed=value
+            )
+            self._flow = flow
+            super().feed(None, thrown=False)
+            return
+        self.command = None
+        decision = state.decision(value)
+        answered(state.breaker(bucket), STORE, wrote=decision.allowed)
+        refusals = state.refusals
+        if refusals is not None:
+            if not decision.allowed:
+                refusals.put(bucket, cost, decision, self._started)
+            elif refusals.entries:
+                refusals.drop(bucket)
+        state.counters.add(1, decision.allowed)
+        self.outcome = (decision, None)
+
+
+def give_back(
+    state: LimiterState,
+    key: str,
+    cost: int,
+    line: Line | None = None,
+    reserved: int = 0,
+    *,
+    degraded: bool = False,
+) -> Flow[None]:
+    """``refund(key, cost)``, and a reservation's give-back (``cancel``, ``settle``
+    below its cost) with its ``line`` where it waited and the ``reserved`` cost
+    (docs/design.md §4, "Giving back"): never above capacity. A give-back that
+    cannot reach the store is counted (``lost_refunds``) and logged, never sent
+    again (it may have run); the store keeps those tokens spent. ``degraded``: the
+    tokens were taken by an answer given without the store, so they go back where
+    its policy took them (this process's share under ``"local"``, else nowhere) and
+    never to the store, which never had them (issue 19 D2)."""
+    if degraded:
+        state.fallback.refund(key, cost)
+        return
+    bucket = state.keys.bucket(key)
+    args: tuple[Any, ...] = (cost, REFUND.value, state.now())
+    if line is not None:
+        args += (*line, reserved)
+    if state.refusals is not None:
+        state.refusals.drop(bucket)  # this process gives tokens back
+    breaker = state.breaker(bucket)
+    gate = breaker.admit()
+    try:
+        if gate is SKIP:
+            raise Unanswered(None, 0)
+        _, sent = yield from ask(state, breaker, gate, ScriptCommand(state.own, [bucket], args))
+    except Unanswered as failure:
+        lost(state, [(key, cost)], failure.error)
+        not_given_back(state, failure, breaker, raises=state.policy == RAISE)
+        state.fallback.refund(key, cost)  # this process's share gets them (at most the share)
+        return
+    except Corrupt as failure:
+        not_given_back(state, failure, breaker, raises=state.policy == RAISE)
+        return
+    answered(breaker, gate, wrote=True)
+    state.counters.add(sent)
+
+
+def lost(
+    state: LimiterState, parts: Sequence[tuple[str, int]], error: BaseException | None
+) -> None:
+    """Give-backs that did not reach the store: counted and logged, never resent."""
+    why = "the store is skipped" if error is None else f"{type(error).__name__}: {error}"
+    for key, cost in parts:
+        state.counters.event("lost_refunds")
+        logger.warning(
+            "%s: a give-back of %d tokens to key %r did not reach the store (%s); "
+            "its bucket keeps them spent",
+            state.name,
+            cost,
+            key,
+            why,
+        )
+
+
+def reset(state: LimiterState, key: str) -> Flow[None]:
+    """``reset(key)``: the bucket is full again (its key deleted), and so is this
+    process's share of it, for the next outage."""
+    bucket = state.keys.bucket(key)
+    state.fallback.reset(key)
+    if state.refusals is not None:
+        state.refusals.drop(bucket)
+    breaker = state.breaker(bucket)
+    gate = breaker.admit()
+    try:
+        if gate is SKIP:
+            raise Unanswered(None, 0)
+        _, sent = yield from ask(state, breaker, gate, Command("delete", (bucket,), [bucket]))
+    except Unanswered as failure:
+        not_given_back(state, failure, breaker, raises=state.policy == RAISE)
+        return  # lost for the store; the local bucket is full already
+    answered(breaker, gate, wrote=True)
+    state.counters.add(sent)
+
+
+def charge(state: LimiterState, key: str, cost: object) -> Flow[Decision]:
+    """``charge(key, cost)``: use that already happened, any cost >= 1, debt allowed
+    down to the bound, where it stops. Answers the bucket after it."""
+    checked = _core.check_charge(cost)
+    bucket = state.keys.bucket(key)
+    args = (state.charged(checked), CHARGE.value, state.now())
+    return (
+        yield from one_bucket(
+            state, bucket, args, wrote=True, without=lambda: state.fallback.charge(key, checked)
+        )
+    )
+
+
+def observe(
+    state: LimiterState,
+    key: str,
+    remaining: object,
+    limit: object,
+    reset_after: object,
+    retry_after: object,
+    at: object,
+) -> Flow[Decision]:
+    """``observe(key, remaining, ...)``: an upstream's report (docs/design.md §4,
+    "Following the upstream"), reduced to its cap by the core's rule and sent with
+    its age, so the script bounds the bucket on its own clock. ``at`` is a reading of
+    the limiter's clock (``time.monotonic()`` for the store's). Without the store the
+    report is not applied: the policy answers (this process's share, as it stands)."""
+    cap = _core.observation_cap(
+        state.capacity,
+        state.p,
+        state.unit,
+        remaining,  # type: ignore[arg-type]
+        limit=limit,  # type: ignore[arg-type]
+        reset_after=reset_after,  # type: ignore[arg-type]
+        retry_after=retry_after,  # type: ignore[arg-type]
+    )
+    age = 0
+    if at is not None:
+        try:
+            then = _core.clock_to_micros(at)
+        except (TypeError, ValueError) as e:
+            raise type(e)(
+                "at must be a reading of the limiter's clock (finite seconds as an int or "
+                f"float), got {at!r}"
+            ) from None
+        age = max(0, _core.clock_to_micros((state.clock or time.monotonic)()) - then)
+    bucket = state.keys.bucket(key)
+    cap = max(cap, -state.debt_capacities * state.full)  # the script's own debt bound
+    args = (cap, OBSERVE.value, state.now(), min(age, LUA_EXACT - 1))
+    return (
+        yield from one_bucket(
+            state,
+            bucket,
+            args,
+            wrote=False,
+            without=lambda: state.fallback.decide(key, 1, peek=True),
+        )
+    )
+
+
+def one_bucket(
+    state: LimiterState,
+    bucket: bytes,
+    args: Sequence[Any],
+    *,
+    wrote: bool,
+    without: Callable[[], Decision],
+) -> Flow[Decision]:
+    """One script call on one bucket, answered as a ``Decision``: the store's reply,
+    ``without()`` (the policy) when the store fails or is skipped, or a corrupt
+    bucket's refusal. ``wrote``: whether an answer is a write (after ``READONLY``
+    only a write closes the breaker)."""
+    breaker = state.breaker(bucket)
+    gate = breaker.admit()
+    try:
+        if gate is SKIP:
+            raise Unanswered(None, 0)
+        reply, sent = yield from ask(state, breaker, gate, ScriptCommand(state.own, [bucket], args))
+    except Unanswered as failure:
+        unanswered(state, failure, breaker)
+        state.counters.add(failure.sent)
+        return without()
+    except Corrupt as failure:
+        decision = corrupt(state, failure, breaker)
+        state.counters.add(failure.sent)
+        return decision
+    answered(breaker, gate, wrote=wrote)
+    state.counters.add(sent)
+    return state.decision(reply)
+
+
+#: Where a waiting reservation left a bucket's cap line: the bucket's time and
+#: balance right after it, and the headroom before it (docs/design.md §4, "Giving
+#: back"); its give-back sends it, with the reservation's cost.
+Line = tuple[int, int, int]
+
+
+class Reserved:
+    """A reservation's answer: the decision, the delay in seconds (for a refusal the
+    wait it would have needed; ``math.inf``: never), the line of each bucket it
+    waits in (``None`` where it does not), and where its tokens were taken: from
+    the store (``stored``), in process under ``on_store_error="local"`` (``local``,
+    the core's reservation made instead), or nowhere (``"open"``): its give-backs
+    and charges go there and nowhere else (issue 19 D2)."""
+
+    __slots__ = ("decision", "delay", "lines", "local", "stored")
+
+    def __init__(
+        self,
+        decision: Decision,
+        delay: float,
+        lines: list[Line | None],
+        *,
+        stored: bool = True,
+        local: _core.Reservation | None = None,
+    ) -> None:
+        self.decision = decision
+        self.delay = delay
+        self.lines = lines
+        self.stored = stored
+        self.local = local
+
+
+def check_wait(value: object, name: str) -> int | None:
+    """A ``max_wait`` / ``timeout`` in whole µs by the clock's rounding, as the core
+    reads it: ``None`` (or ``inf``, or beyond the clock's range) for no limit, else
+    seconds >= 0 as an int or float."""
+    if value is None:
+        return None
+    if isinstance(value, float):
+        if math.isnan(value) or value < 0:
+            raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+        if math.isinf(value):
+            return None
+    elif isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, float or None, got bool")
+    else:
+        try:
+            whole = value.__index__()  # type: ignore[attr-defined]
+        except AttributeError:
+            raise TypeError(
+                f"{name} must be an int, float or None, got {type(value).__name__}"
+            ) from None
+        if whole < 0:
+            raise ValueError(f"{name} must be a number of seconds >= 0 or None, got {value!r}")
+        value = whole
+    try:
+        micros = _core.clock_to_micros(value)
+    except (ValueError, OverflowError):
+        return None  # beyond the clock's range: as good as no limit
+    return micros if micros < LUA_EXACT else None
+
+
+def reserve(
+    state: LimiterState, key: str, cost: object, max_wait: object, name: str = "max_wait"
+) -> Flow[Reserved]:
+    """``reserve(key, cost, max_wait=...)``: take ``cost`` now, in debt if need be, on
+    the store's clock; the delay says when the tokens are the caller's. Refused at
+    once, spending nothing, past ``max_wait`` (µs) or the debt bound. ``name`` is what
+    the caller calls ``max_wait`` (acquire: ``timeout``)."""
+    cost = state.cost(cost)
+    wait = check_wait(max_wait, name)
+    bucket = state.keys.bucket(key)
+    args = (cost, RESERVE.value, state.now(), NONE if wait is None else wait)
+    refusals = state.refusals
+    started = 0.0
+    if refusals is not None:
+        started = time.monotonic()
+        if wait is not None:
+            cached = cached_reservation(refusals.get(bucket, cost, started), wait)
+            if cached is not None:
+                state.counters.event("refusal_cache_hits")
+                state.counters.add(0, False)
+                return cached
+    breaker = state.breaker(bucket)
+    gate = breaker.admit()
+    try:
+        if gate is SKIP:
+            raise Unanswered(None, 0)
+        reply, sent = yield from ask(state, breaker, gate, ScriptCommand(state.own, [bucket], args))
+    except Unanswered as failure:
+        unanswered(state, failure, breaker)
+        reserved = reserved_without_store([(state, key, cost)], wait)
+        state.counters.add(failure.sent, reserved.decision.allowed)
+        return reserved
+    except Corrupt as failure:
+        refusal = corrupt(state, failure, breaker)
+        state.counters.add(failure.sent, False)
+        return Reserved(refusal, refusal.retry_after, [None])
+    reserved = reserved_of(state, reply, 1)
+    answered(breaker, gate, wrote=reserved.decision.allowed)
+    if refusals is not None:
+        if not reserved.decision.allowed:
+            # Remembered as the allow it implies: this cost waits `delay`.
+            d = reserved.decision
+            implied = Decision(False, reserved.delay, d.remaining, d.reset_after, d.limit)
+            refusals.put(bucket, cost, implied, started)
+        elif refusals.entries:
+            refusals.drop(bucket)
+    state.counters.add(sent, reserved.decision.allowed)
+    return reserved
+
+
+def reserved_of(state: LimiterState, reply: Any, buckets: int) -> Reserved:
+    """A reservation's reply ``{retry_after, remaining, reset_after, limit, delay, line
+    per bucket}`` (a bucket it does not wait in has nil, read as None, or no line)."""
+    decision = state.decision(reply)
+    delay = reply[4] / 1_000_000 if reply[4] >= 0 else math.inf
+    lines: list[Line | None] = [None] * buckets
+    for i, line in enumerate(reply[5:]):
+        if line:
+            lines[i] = (line[0], line[1], line[2])
+    return Reserved(decision, delay, lines)
+
+
+def cached_reservation(cached: Decision | None, max_wait: int) -> Reserved | None:
+    """A reservation refused from the refusal cache: ``cached`` says this cost waits
+    at least ``retry_after``; past ``max_wait`` (µs) the store would refuse too."""
+    if cached is None:
+        return None
+    if math.isinf(cached.retry_after):
+        return Reserved(cached, math.inf, [None])
+    wait = round(cached.retry_after * 1_000_000)
+    if wait <= max_wait:
+        return None  # it might be granted: only the store knows
+    refusal = Decision(
+        False, (wait - max_wait) / 1_000_000, cached.remaining, cached.reset_after, cached.limit
+    )
+    return Reserved(refusal, wait / 1_000_000, [None])
+
+
+def reserved_without_store(parts: Sequence[Part], max_wait: int | None) -> Reserved:
+    """A reservation without the store: ``"closed"`` refuses, ``"open"`` grants at once
+    taking nothing anywhere, ``"local"`` reserves from this process's share (in
+    process, degraded; its cancel and settle act there)."""
+    lines: list[Line | None] = [None] * len(parts)
+    for state, _, _ in parts:
+        if state.policy == CLOSED:
+            refusal = state.fallback.refusal()
+            return Reserved(refusal, refusal.retry_after, lines, stored=False)
+    local = [
+        (state.fallback.local, key, min(cost, state.fallback.share))
+        for state, key, cost in parts
+        if state.fallback.local is not None
+    ]
+    if not local:  # all "open"
+        return Reserved(parts[0][0].fallback.decide("", 1, peek=False), 0.0, lines, stored=False)
+    wait = None if max_wait is None else max_wait / 1_000_000
+    reservation = _core.reserve_all(local, max_wait=wait)
+    return Reserved(reservation.decision, reservation.delay, lines, stored=False, local=reservation)
+
+
+# -- several buckets: the general form -----------------------------------------------
+
+#: One bucket of a call over several: its limiter's state, the key, the cost.
+Part = tuple[LimiterState, str, int]
+
+#: bucket.lua's 4 more values per bucket: a reservation's max_wait, or a give-back's
+#: line and the reservation's cost (none: all four empty).
+NO_MORE: Final = (NONE, NONE, NONE, NONE)
+
+
+def general(parts: Sequence[Part], mode: Mode, more: Sequence[tuple[Any, ...]]) -> ScriptCommand:
+    """One general-form script over ``parts`` (checked already): per bucket its now,
+    configuration, cost and 4 more values (bucket.lua). On a cluster the keys must
+    share a hash slot: said before anything is sent."""
+    keys: list[bytes] = []
+    args: list[Any] = [NONE, mode.value]
+    for (state, key, cost), extra in zip(parts, more, strict=True):
+        bucket = state.keys.bucket(key)
+        if bucket in keys:
+            # Two limiters with one prefix: the script would read the bucket twice
+            # and charge it once.
+            raise ValueError(
+                f"the call names the Redis key {bucket!r} twice: limiters sharing a "
+                "client need different prefixes"
+            )
+        keys.append(bucket)
+        sent = state.charged(cost) if mode is CHARGE else cost
+        args += [state.now(), *state.config_args, sent, *extra]
+    if parts[0][0].cluster:
+        check_one_slot(keys)
+    return ScriptCommand(parts[0][0].script, keys, args)
+
+
+def raises(parts: Sequence[Part]) -> bool:
+    """A call over several limiters raises when one of them does."""
+    return any(state.policy == RAISE for state, _, _ in parts)
+
+
+def count_all(parts: Sequence[Part], sent: int, allowed: bool | None) -> None:
+    """A call over several buckets counts its commands once (on the first limiter,
+    whose breaker and policy it went through) and its decision on every limiter."""
+    parts[0][0].counters.add(sent, allowed)
+    if allowed is not None:
+        for state, _, _ in parts[1:]:
+            state.counters.add(0, allowed)
+
+
+def allow_all(parts: Sequence[Part]) -> Flow[Decision]:
+    """``allow_all``: one script checks every bucket before it spends from any; all
+    or nothing. Without the store, each limiter's policy, combined as allow_all is
+    (:func:`allowed_without_store`)."""
+    first = parts[0][0]
+    command = general(parts, ALLOW, [NO_MORE] * len(parts))
+    breaker = first.breaker(command.keys[0])
+    gate = breaker.admit()
+    try:
+        if gate is SKIP:
+            raise Unanswered(None, 0)
+        reply, sent = yield from ask(first, breaker, gate, command)
+    except Unanswered as failure:
+        unanswered(first, failure, breaker, raises=raises(parts))
+        decision = allowed_without_store(parts)
+        count_all(parts, failure.sent, decision.allowed)
+        return decision
+    except Corrupt as failure:
+        decision = corrupt(first, failure, breaker, raises=raises(parts))
+        count_all(parts, failure.sent, False)
+        return decision
+    decision = first.decision(reply)
+    answered(breaker, gate, wrote=decision.allowed)
+    count_all(parts, sent, decision.allowed)
+    return decision
+
+
+def allowed_without_store(parts: Sequence[Part]) -> Decision:
+    """``allow_all`` without the store. Any ``"closed"`` limiter refuses the whole
+    call; ``"open"`` ones allow their part; the ``"local"`` ones decide together in
+    process, all or nothing: one cost for all (pairs) is charged at most the
+    smallest of their shares, as in ``allow_all``; checks with costs of their own
+    are each charged at most their limiter's share."""
+    for state, _, _ in parts:
+        if state.policy == CLOSED:
+            return state.fallback.refusal()
+    local = [
+        (state.fallback.local, key, min(cost, state.fallback.share))
+        for state, key, cost in parts
+        if state.fallback.local is not None
+    ]
+    if not local:
+        return parts[0][0].fallback.decide("", 1, peek=False)  # all "open"
+    costs = {cost for _, _, cost in parts}
+    if len(costs) == 1:
+        shares = [state.fallback.share for state, _, _ in parts if state.policy == LOCAL]
+        one = min(costs.pop(), *shares)
+        local = [(fallback, key, one) for fallback, key, _ in local]
+    return _core.allow_all(local)  # the local limiters answer degraded
+
+
+def reserve_all(parts: Sequence[Part], max_wait: int | None) -> Flow[Reserved]:
+    """``reserve_all``: every bucket reserves its cost at the same moment in one
+    script, all or nothing (each checked before any is written); the delay is the
+    longest."""
+    first = parts[0][0]
+    more = [(NONE if max_wait is None else max_wait, NONE, NONE, NONE)] * len(parts)
+    command = general(parts, RESERVE, more)
+    breaker = first.breaker(command.keys[0])
+    gate = breaker.admit()
+    try:
+        if gate is SKIP:
+            raise Unanswered(None, 0)
+        reply, sent = yield from ask(first, breaker, gate, command)
+    except Unanswered as failure:
+        unanswered(first, failure, breaker, raises=raises(parts))
+        reserved = reserved_without_store(parts, max_wait)
+        count_all(parts, failure.sent, reserved.decision.allowed)
+        return reserved
+    except Corrupt as failure:
+        refusal = corrupt(first, failure, breaker, raises=raises(parts))
+        count_all(parts, failure.sent, False)
+        return Reserved(refusal, refusal.retry_after, [None] * len(parts))
+    reserved = reserved_of(first, reply, len(parts))
+    answered(breaker, gate, wrote=reserved.decision.allowed)
+    count_all(parts, sent, reserved.decision.allowed)
+    return reserved
+
+
+def change_all(parts: Sequence[Part], mode: Mode, more: Sequence[tuple[Any, ...]]) -> Flow[None]:
+    """The give-backs (``REFUND``, each with its line) or the charges (``CHARGE``) of a
+    reservation over several buckets, in one script. Without the store they are
+    lost for it (give-backs counted and logged, as :func:`give_back`'s)."""
+    first = parts[0][0]
+    command = general(parts, mode, more)
+    if mode is REFUND:
+        for state, key, _ in parts:
+            if state.refusals is not None:
+                state.refusals.drop(state.keys.bucket(key))
+    breaker = first.breaker(command.keys[0])
+    gate = breaker.admit()
+    try:
+        if gate is SKIP:
+            raise Unanswered(None, 0)
+        _, sent = yield from ask(first, breaker, gate, command)
+    except (Unanswered, Corrupt) as failure:
+        if mode is REFUND:
+            for state, key, cost in parts:
+                lost(state, [(key, cost)], failure.error)
+        not_given_back(first, failure, breaker, raises=raises(parts))
+        return
+    answered(breaker, gate, wrote=True)
+    count_all(parts, sent, None)
+
+
+def check(state: LimiterState) -> Flow[None]:
+    """``check()``: the script as a peek at a key no bucket has (nothing is written),
+    then ``INFO server``, refusing a server older than 5.0. Raises
+    ``ConfigurationError`` for what no retry will fix and the client's error
+    otherwise; the failure policy never applies, and the breaker is not asked."""
+    probe = state.keys.probe()
+    return check_store(state.counters, ScriptCommand(state.own, [probe], own_args(state, PEEK, 1)))
+
+
+def check_store(counters: Counting, probe: ScriptCommand) -> Flow[None]:
+    """What every limiter's ``check()`` does: ``probe`` (its script on a key nothing
+    holds, writing nothing), then ``INFO server``, refusing a server older than 5.0
+    (an ACL forbidding INFO is ignored: the script ran, which is what counts)."""
+    commands = [probe, Command("info", ("server",))]
+    sent = 0
+    try:
+        while commands:
+            command = commands.pop(0)
+            sent += 1
+            try:
+                reply = yield command
+            except NoScriptError:
+                if not isinstance(command, ScriptCommand) or command.whole:
+                    raise
+                counters.event("script_loads")
+                commands.insert(0, command.sent_whole())
+            except NoPermissionError:
+                if command.name != "info":
+                    raise
+                return
+            else:
+                if command.name == "info":
+                    check_version(reply)
+    except BaseException as error:
+        if classify(error) == CONFIG:
+            raise configuration_error(error) from error
+        raise
+    finally:
+        counters.add(sent)
