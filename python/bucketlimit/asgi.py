@@ -17,40 +17,58 @@ through the ``websocket.http.response`` extension where the server offers it,
 otherwise it is closed before ``accept`` with code 1008 (policy violation). An
 accepted one carries the RateLimit fields on its ``accept``.
 
+A limit with ``concurrency=`` holds its permit until the response ends: its last
+body chunk sent (a streamed body included), the client gone (``http.disconnect``),
+or the app done or failed; a WebSocket's until it closes. The middleware releases
+the permits of every limit of the request, a route's own included.
+
 Starlette and FastAPI users: :mod:`bucketlimit.fastapi` gives key functions a
 Starlette ``Request`` instead; :mod:`bucketlimit.litestar` a Litestar one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Generic, TypeVar, cast
 
+from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import Refusal
+from bucketlimit._web.fields import RETRY_AFTER, Refusal
 from bucketlimit._web.limits import (
     ConfigurationError,
+    Headers,
     KeyFunctionError,
     LimitSettings,
+    RefusalHook,
     RequestLimits,
+    live_limits,
     run_async,
 )
 from bucketlimit._web.reservations import AsyncReservation, reserve_async
+from bucketlimit._web.startup import StoreCheckError, check_stores_async
+from bucketlimit._web.waiting import ClientDisconnected
 
 __all__ = [
     "AsyncReservation",
+    "ClientDisconnected",
     "ConfigurationError",
     "Connection",
     "KeyFunctionError",
     "Limit",
     "RateLimitMiddleware",
+    "StoreCheckError",
     "client_address",
     "ratelimit_fields",
+    "release_permits_later",
+    "releases_permits",
     "remote_address",
     "reservation",
     "reserve_async",
+    "startup_check",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -62,6 +80,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 R = TypeVar("R")  # the request type a framework's key functions receive
 
 _STATE = "bucketlimit"
+_REPLAY = "bucketlimit.receive"  # scope["state"]: the middleware's receive stream
+_CLOSES = "bucketlimit.closes"  # scope["state"]: a middleware releases the request's permits
 _FIELD_NAMES = (b"ratelimit", b"ratelimit-policy")
 _DENIAL = "websocket.http.response"
 #: The close code of a refused WebSocket when the server cannot send a 429.
@@ -152,15 +172,101 @@ def client_address(
 remote_address = client_address()
 
 
-def request_limits(scope: Scope) -> RequestLimits:
+def request_limits(
+    scope: Scope, headers: tuple[str, ...] | None = None, on_refusal: RefusalHook | None = None
+) -> RequestLimits:
     """The request's limits, kept in ``scope["state"]`` (``request.state`` in
     Starlette and Litestar): shared by the middleware, the dependencies and the
-    route of one request, fresh for each request."""
+    route of one request, fresh for each request. The first to make them (the
+    outermost middleware) gives the app's header profile and refusal hook."""
     state: dict[str, Any] = scope.setdefault("state", {})
     limits = state.get(_STATE)
     if limits is None:
-        limits = state[_STATE] = RequestLimits()
+        limits = state[_STATE] = RequestLimits(headers, on_refusal)
     return cast(RequestLimits, limits)
+
+
+def releases_permits(scope: Scope) -> bool:
+    """Whether something releases this request's permits when its response ends (what
+    a route's ``concurrency=`` limit needs): a :class:`RateLimitMiddleware` around
+    it, or what :func:`release_permits_later` arranged."""
+    state: dict[str, object] = scope.get("state", {})
+    return state.get(_CLOSES) is True
+
+
+def release_permits_later(scope: Scope) -> Callable[[], Awaitable[None]]:
+    """Marks the request's permits as released by someone other than a middleware,
+    and returns the coroutine function that releases them, to be called once the
+    response has ended (FastAPI's dependency hands it to the request's exit stack)."""
+    state: dict[str, Any] = scope.setdefault("state", {})
+    state[_CLOSES] = True
+
+    async def release() -> None:
+        limits: RequestLimits | None = state.get(_STATE)
+        if limits is not None:
+            await _awaited(limits.close())
+
+    return release
+
+
+async def _awaited(answer: Awaitable[None] | None) -> None:
+    if answer is not None:
+        await answer
+
+
+def _ends(message: Message) -> bool:
+    """Whether ``message``, sent, ends the response (or the WebSocket)."""
+    kind: str = message["type"]
+    if kind == "http.response.body" or kind == "websocket.http.response.body":
+        return not message.get("more_body", False)
+    return kind == "websocket.close"
+
+
+_GONE = ("http.disconnect", "websocket.disconnect")
+
+
+async def _serve(
+    app: ASGIApp, scope: Scope, receive: Receive, send: Send, limits: RequestLimits | None
+) -> None:
+    """Runs ``app``: writes the fields of ``limits`` (when given) on the response start
+    or WebSocket accept, and releases the request's permits (those its route's
+    limits take too) once the response has ended: its last body chunk sent, the
+    client gone, or the app returned or failed. A streamed body renews them as it
+    goes (``RequestLimits.keep_alive``)."""
+    state: dict[str, Any] = scope["state"]
+
+    async def sending(message: Message) -> None:
+        kind = message["type"]
+        if limits is not None and (kind == "http.response.start" or kind == "websocket.accept"):
+            fields = limits.fields()
+            if fields:
+                message = _with_fields(message, fields)
+        await send(message)
+        held: RequestLimits | None = state.get(_STATE)
+        if held is not None and held.permits:
+            await _awaited(held.close() if _ends(message) else held.keep_alive())
+
+    async def receiving() -> Message:
+        message = await receive()
+        if message["type"] in _GONE:
+            held: RequestLimits | None = state.get(_STATE)
+            if held is not None:
+                await _awaited(held.close())
+        return message
+
+    try:
+        await app(scope, receiving, sending)
+    finally:
+        held: RequestLimits | None = state.get(_STATE)
+        if held is not None:
+            await _awaited(held.close())
+
+
+def disconnect_watch(scope: Scope) -> Callable[[], Awaitable[object]] | None:
+    """What a waiting request races when the middleware runs: a function whose
+    awaitable ends when the client disconnects (``None`` without the middleware)."""
+    replay = scope.get("state", {}).get(_REPLAY)
+    return None if replay is None else cast(_Replay, replay).disconnected
 
 
 def ratelimit_fields(request: Any) -> dict[str, str]:
@@ -217,32 +323,65 @@ async def send_refusal(scope: Scope, receive: Receive, send: Send, refusal: Refu
 
 
 def _with_fields(message: Message, fields: dict[str, str]) -> Message:
-    """A response start (or WebSocket accept) with exactly one RateLimit and one
-    RateLimit-Policy field."""
-    headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in _FIELD_NAMES]
+    """A response start (or WebSocket accept) with exactly one of each rate-limit
+    field (the app's own are replaced)."""
+    if not fields:
+        return message
+    names = _FIELD_NAMES + _names(fields)
+    headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in names]
     headers += encode_headers(fields)
     return {**message, "headers": headers}
+
+
+def _names(fields: dict[str, str]) -> tuple[bytes, ...]:
+    return tuple(name.lower().encode("latin-1") for name in fields)
 
 
 class AsgiLimit(LimitSettings[R], Generic[R]):
     """What every ASGI adapter's ``Limit`` shares: applying it to a scope.
 
     A framework's subclass says how to build its request object from the scope
-    (:meth:`connection`).
+    (:meth:`connection`) and how to send a response its ``on_refusal`` returned
+    (:meth:`send_response`). A limit string on a Redis storage gets the asyncio
+    limiter.
     """
+
+    storage_asyncio = True
 
     def connection(self, scope: Scope, receive: Receive) -> R:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    async def apply(self, request: R) -> tuple[AsyncReservation, bool]:
-        """Applies the limit: the request's reservation, and whether to refuse."""
+    async def apply(
+        self, request: R, disconnected: Callable[[], Awaitable[object]] | None = None
+    ) -> tuple[AsyncReservation, bool]:
+        """Applies the limit: the request's reservation, and whether to refuse. While
+        it waits (``max_wait``), ``disconnected`` (default: the middleware's watch of
+        the receive stream) ending first cancels the wait and raises
+        :class:`ClientDisconnected`, every token of the request given back."""
         scope: Scope = request.scope  # type: ignore[attr-defined]
+        if disconnected is None and self.max_wait:
+            disconnected = disconnect_watch(scope)
         held, refused = await run_async(
-            self.procedure(request, lambda: request_limits(scope), _describe, AsyncReservation)
+            self.procedure(request, lambda: request_limits(scope), _describe, AsyncReservation),
+            disconnected,
         )
         if held is None:  # exempt: no limit, no charge
             held = AsyncReservation(None, "", 0, None)
         return held, refused
+
+    async def send_response(
+        self, response: Any, request: R, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Sends what ``on_refusal`` returned: here an ASGI app (a Starlette
+        ``Response`` is one)."""
+        await response(scope, receive, send)
+
+    async def check_store(self) -> None:
+        """Asks this limit's Redis store now (``check()``, awaited for the asyncio
+        limiter); raises :class:`StoreCheckError` when it does not answer. Nothing
+        for an in-process limiter. A start-up hook: Litestar's
+        ``on_startup=[limit.check_store]``, or a FastAPI lifespan."""
+        await check_stores_async([self])
 
 
 class Limit(AsgiLimit[Connection]):
@@ -264,62 +403,207 @@ class Limit(AsgiLimit[Connection]):
 
 
 class _Replay:
-    """Keeps the body a limit read (a cost from the JSON body) for the app to read again."""
+    """Keeps what a limit read from the receive stream (a cost from the JSON body, or
+    messages read while watching for a disconnect) for the app to read again."""
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._kept: deque[Message] = deque()
+        self._pending: asyncio.Future[Message] | None = None
+
+    async def _next(self) -> Message:
+        """The next message; one a cancelled watch left in flight comes first."""
+        pending = self._pending
+        if pending is None:
+            return await self._receive()
+        message = await asyncio.shield(pending)
+        self._pending = None
+        return message
 
     async def record(self) -> Message:
-        message = await self._receive()
+        message = await self._next()
         self._kept.append(message)
         return message
+
+    async def disconnected(self) -> None:
+        """Ends when the client disconnects: reads (and keeps, for the app) the rest
+        of the body until ``http.disconnect`` comes. Cancelled, it leaves the receive
+        it was waiting on running (shielded), so no message is lost."""
+        if any(m["type"] == "http.disconnect" for m in self._kept):
+            return
+        while True:
+            if self._pending is None:
+                self._pending = asyncio.ensure_future(self._receive())
+            message = await asyncio.shield(self._pending)
+            self._pending = None
+            self._kept.append(message)
+            if message["type"] == "http.disconnect":
+                return
 
     async def replay(self) -> Message:
         if self._kept:
             return self._kept.popleft()
-        return await self._receive()
+        return await self._next()
 
 
 class RateLimitMiddleware:
     """Pure ASGI middleware applying a limit to every HTTP request and WebSocket.
 
     ``RateLimitMiddleware(app, limit=per_client)`` (Starlette:
-    ``app.add_middleware(RateLimitMiddleware, limit=per_client)``). It writes the
-    final RateLimit fields of every limit of the request (its own and the
-    route's) on the response start, replacing any the app wrote, so they appear
-    once. It does not buffer responses: streaming and background tasks behave as
-    without it. Lifespan and other scopes pass through.
+    ``app.add_middleware(RateLimitMiddleware, limit=per_client)``); ``limit`` may
+    be a limit string (``"100/minute"``, in memory unless a ``Limit`` says
+    ``storage=``), or ``None``: no limit of its own, for an app whose limits are on
+    its routes. It writes the final rate-limit fields of every limit of the
+    request (its own and the route's) on the response start, replacing any the
+    app wrote, so they appear once, and releases their concurrency permits when
+    the response ends (a route's ``concurrency=`` limit needs it). It does not
+    buffer responses: streaming and background tasks behave as without it.
+
+    - ``headers``: the header profile(s) of the limits of the request that name none
+      (default ``"draft-11"``; ``[]`` for none);
+    - ``on_refusal(request, refusal)``: the response (an ASGI app, e.g. a Starlette
+      ``Response``; may be ``async def``) for a refusal by a limit that has none;
+    - ``check_store``: at the lifespan start-up, ask the Redis store of its limit
+      (``check()``); one that does not answer fails the start-up
+      (``lifespan.startup.failed``: uvicorn exits). ``False``: start without
+      asking. Limits on routes (``Depends``): :func:`startup_check` in the app's
+      lifespan asks every limit's store.
+
+    A request waiting ``max_wait`` for its tokens whose client disconnects is
+    given up: the wait is cancelled and its tokens come back. Other scopes pass
+    through.
     """
 
-    def __init__(self, app: ASGIApp, limit: AsgiLimit[Any]) -> None:
-        if not isinstance(limit, AsgiLimit):
+    #: The ``Limit`` a limit string becomes.
+    limit_class: type[AsgiLimit[Any]] | None = None
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        limit: AsgiLimit[Any] | str | None = None,
+        *,
+        headers: Headers | None = None,
+        on_refusal: RefusalHook | None = None,
+        check_store: bool = True,
+    ) -> None:
+        if isinstance(limit, str):
+            limit = (self.limit_class or Limit)(limit)
+        if limit is not None and not isinstance(limit, AsgiLimit):
             raise TypeError(
                 "RateLimitMiddleware takes a Limit of bucketlimit.asgi, bucketlimit.fastapi "
-                f"or bucketlimit.litestar, got {limit!r}"
+                f"or bucketlimit.litestar, or a limit string, got {limit!r}"
             )
+        if on_refusal is not None and not callable(on_refusal):
+            raise TypeError(f"on_refusal must be a function (request, refusal), got {on_refusal!r}")
         self.app = app
         self.limit = limit
+        self.headers = profiles.check_headers(headers)
+        self.on_refusal = on_refusal
+        self.check_store = bool(check_store)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind != "http" and kind != "websocket":
+            if kind == "lifespan" and self.check_store:
+                send = self._checking_at_startup(send)
             await self.app(scope, receive, send)
             return
-        body = _Replay(receive) if kind == "http" else None
-        request = self.limit.connection(scope, body.record if body is not None else receive)
-        _, refused = await self.limit.apply(request)
-        limits = request_limits(scope)
-        if refused:
-            await send_refusal(scope, receive, send, limits.refusal())
+        scope.setdefault("state", {})[_CLOSES] = True
+        if self.exempt_scope(scope):
+            await _serve(self.app, scope, receive, send, None)
             return
+        limits = request_limits(scope, self.headers, self.on_refusal)
+        if self.limit is None:
+            await _serve(self.app, scope, receive, send, limits)
+            return
+        body = None
+        if kind == "http":
+            body = scope["state"][_REPLAY] = _Replay(receive)
+        request = self.limit.connection(scope, body.record if body is not None else receive)
+        try:
+            _, refused = await self.limit.apply(
+                request, body.disconnected if body is not None else None
+            )
+        except ClientDisconnected:
+            await _awaited(limits.close())
+            return  # nobody to answer; its tokens and permits were given back
+        except BaseException:
+            await _awaited(limits.close())
+            raise
+        if refused:
+            try:
+                await self._refuse(request, scope, receive, send, limits)
+            finally:
+                await _awaited(limits.close())
+            return
+        await _serve(self.app, scope, body.replay if body is not None else receive, send, limits)
+
+    async def _refuse(
+        self, request: Any, scope: Scope, receive: Receive, send: Send, limits: RequestLimits
+    ) -> None:
+        refusal = limits.refusal()
+        hook = limits.refusal_hook()
+        if hook is None:
+            await send_refusal(scope, receive, send, refusal)
+            return
+        response = hook(request, refusal)
+        if inspect.isawaitable(response):
+            response = await response
 
         async def send_with_fields(message: Message) -> None:
-            kind = message["type"]
-            if kind == "http.response.start" or kind == "websocket.accept":
-                fields = limits.fields()
-                if fields:
-                    message = _with_fields(message, fields)
+            if message["type"] in ("http.response.start", "websocket.http.response.start"):
+                message = _with_fields(message, limits.fields(refused=True))
+                if message.get("status") == refusal.status:
+                    message = _with_defaults(message, refusal.headers)
             await send(message)
 
-        await self.app(scope, body.replay if body is not None else receive, send_with_fields)
+        limit = cast(AsgiLimit[Any], self.limit)  # a refusal came from it
+        await limit.send_response(response, request, scope, receive, send_with_fields)
+
+    def exempt_scope(self, scope: Scope) -> bool:
+        """Whether the app marked the route of ``scope`` exempt: a bare ASGI app has
+        no routes (``bucketlimit.fastapi``'s middleware reads Starlette's)."""
+        return False
+
+    def _checking_at_startup(self, send: Send) -> Send:
+        """``send`` that checks the stores before the app's ``lifespan.startup.complete``
+        goes out: when one fails it reports ``lifespan.startup.failed`` instead and
+        raises :class:`StoreCheckError` into the app, as a failing start-up does."""
+        failed = False
+
+        async def checking(message: Message) -> None:
+            nonlocal failed
+            kind = message["type"]
+            if failed and kind.startswith("lifespan.startup"):
+                return  # the app reporting the error again: said once
+            if kind == "lifespan.startup.complete":
+                try:
+                    await check_stores_async([] if self.limit is None else [self.limit])
+                except StoreCheckError as error:
+                    failed = True
+                    await send({"type": "lifespan.startup.failed", "message": str(error)})
+                    raise
+            await send(message)
+
+        return checking
+
+
+async def startup_check() -> int:
+    """Asks the Redis store of every web limit alive in the process (``check()``,
+    awaited for the asyncio limiter); one that does not answer raises
+    :class:`StoreCheckError`. What the middleware does at the lifespan start-up, for
+    an app without it: Litestar's ``on_startup=[startup_check]``, or a FastAPI
+    ``lifespan``. Returns how many stores were asked."""
+    return await check_stores_async(live_limits())
+
+
+def _with_defaults(message: Message, defaults: dict[str, str]) -> Message:
+    """A refusal's ``Retry-After`` (and ``retry-after-ms``) on a response an
+    ``on_refusal`` hook made, unless it wrote its own."""
+    names = {k.lower() for k, _ in message.get("headers", ())}
+    extra = [
+        (name.lower().encode("latin-1"), defaults[name].encode("latin-1"))
+        for name in (RETRY_AFTER, profiles.RETRY_AFTER_MS)
+        if name in defaults and name.lower().encode("latin-1") not in names
+    ]
+    return {**message, "headers": [*message.get("headers", ()), *extra]} if extra else message

@@ -15,6 +15,9 @@
     # settings.py
     MIDDLEWARE = [..., "bucketlimit.django.RateLimitMiddleware"]
     BUCKETLIMIT_LIMITS = ["myapp.limits.per_client"]       # every request (optional)
+    BUCKETLIMIT_DEFAULT_LIMITS = "200/day;50/hour"         # per route, unless it has its own
+    BUCKETLIMIT_STORAGE = "redis://localhost:6379/0"       # for limit strings (memory://)
+    BUCKETLIMIT_HEADERS = "draft-11"                       # or "legacy", "openai", [...]
     BUCKETLIMIT_TRUSTED_PROXIES = ["10.0.0.0/8"]           # the default key behind proxies
     BUCKETLIMIT_IPV6_PREFIX = 64
 
@@ -26,12 +29,19 @@ is the one every adapter sends (docs/design.md §7): 429 with ``Retry-After``
 and an RFC 9457 problem body, 413 or 403 when it can never pass. Sync views take
 ``TokenBucketLimiter`` or ``RedisTokenBucketLimiter``; async views and the async
 middleware also ``AsyncRedisTokenBucketLimiter`` (awaited).
+
+``Limit(..., concurrency=N)`` (a ``ConcurrencyLimiter`` or ``RedisConcurrencyLimiter``)
+holds a permit per request until its response ends: when the view returns a plain
+response, when Django closes a streaming one (after its last chunk, or when the
+client went away), and whatever the view raised. A :class:`LimitThrottle` with
+``concurrency=`` needs the middleware, which releases its permit.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar, cast
@@ -39,20 +49,32 @@ from typing import Any, TypeVar, cast
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.urls import Resolver404, resolve
 
+from bucketlimit import _config
 from bucketlimit._core import Decision
+from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import Refusal, retry_after_seconds
-from bucketlimit._web.limiters import AnyLimiter, SyncLimiter
+from bucketlimit._web.fields import RETRY_AFTER, Refusal, retry_after_seconds
+from bucketlimit._web.limiters import (
+    AnyLimiter,
+    ConcurrencyLimiterLike,
+    SyncLimiter,
+    is_async_limiter,
+    is_concurrency_limiter,
+)
 from bucketlimit._web.limits import (
     ConfigurationError,
     KeyFunctionError,
     LimitSettings,
+    RefusalHook,
     RequestLimits,
     run,
     run_async,
 )
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
+from bucketlimit._web.startup import StoreCheckError, check_stores
+from bucketlimit._web.streams import AsyncStreamedBody, StreamedBody
 
 __all__ = [
     "AsyncReservation",
@@ -62,7 +84,9 @@ __all__ = [
     "LimitThrottle",
     "RateLimitMiddleware",
     "Reservation",
+    "StoreCheckError",
     "client_address",
+    "exempt",
     "limit",
     "ratelimit_fields",
     "remote_address",
@@ -75,6 +99,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _STATE = "_bucketlimit"
 _THROTTLED = "_bucketlimit_throttled"
+_REFUSED = "_bucketlimit_refused"  # a limit of this request refused it
+_RELEASES = "_bucketlimit_releases"  # the middleware releases this request's permits
+_EXEMPT = "__bucketlimit_exempt__"  # a view's mark: the middleware's limits skip it
+_OWN_LIMITS = "__bucketlimit_overrides_defaults__"  # a view's mark: it has limits of its own
 
 
 def _django_request(request: Any) -> HttpRequest:
@@ -126,11 +154,39 @@ def _describe(request: Any) -> str:
     return f"{django_request.method} {django_request.path}"
 
 
+def _enabled() -> bool:
+    return bool(getattr(settings, "BUCKETLIMIT_ENABLED", True))
+
+
+def _headers_setting() -> tuple[str, ...] | None:
+    found = getattr(settings, "BUCKETLIMIT_HEADERS", None)
+    if found is False:
+        return ()
+    return profiles.check_headers(found)
+
+
+@functools.lru_cache(maxsize=16)
+def _hook(path: str) -> RefusalHook:
+    module, _, attribute = path.rpartition(".")
+    return cast(RefusalHook, getattr(importlib.import_module(module), attribute))
+
+
+def _on_refusal_setting() -> RefusalHook | None:
+    found = getattr(settings, "BUCKETLIMIT_ON_REFUSAL", None)
+    if isinstance(found, str):
+        found = _hook(found)
+    if found is not None and not callable(found):
+        raise ConfigurationError(
+            f"BUCKETLIMIT_ON_REFUSAL must be a function or its dotted path, got {found!r}"
+        )
+    return found
+
+
 def _request_limits(request: Any) -> RequestLimits:
     django_request = _django_request(request)
     limits: RequestLimits | None = getattr(django_request, _STATE, None)
     if limits is None:
-        limits = RequestLimits()
+        limits = RequestLimits(_headers_setting(), _on_refusal_setting())
         setattr(django_request, _STATE, limits)
     return limits
 
@@ -145,12 +201,68 @@ def refusal_response(refusal: Refusal) -> HttpResponse:
     return HttpResponse(body, status=refusal.status, headers=refusal.headers)
 
 
+def _refused(request: Any, limits: RequestLimits) -> Any:
+    """The response of a refusal: ``on_refusal``'s (the limit's, else
+    ``BUCKETLIMIT_ON_REFUSAL``), with ``Retry-After`` where it set none, or the
+    default problem response."""
+    setattr(_django_request(request), _REFUSED, True)
+    refusal = limits.refusal()
+    hook = limits.refusal_hook()
+    if hook is None:
+        return refusal_response(refusal)
+    response = hook(request, refusal)
+    if inspect.isawaitable(response):
+        return _awaited(response, refusal)
+    return _with_retry_after(response, refusal)
+
+
+async def _awaited(response: Awaitable[Any], refusal: Refusal) -> Any:
+    return _with_retry_after(await response, refusal)
+
+
+def _with_retry_after(response: Any, refusal: Refusal) -> Any:
+    if isinstance(response, HttpResponseBase) and response.status_code == refusal.status:
+        for name in (RETRY_AFTER, profiles.RETRY_AFTER_MS):
+            if name in refusal.headers and name not in response:
+                response[name] = refusal.headers[name]
+    return response
+
+
 def _write_fields(request: Any, response: HttpResponseBase) -> HttpResponseBase:
     limits: RequestLimits | None = getattr(_django_request(request), _STATE, None)
     if limits is not None:
-        for name, value in limits.fields().items():
+        django_request = _django_request(request)
+        refused = getattr(django_request, _THROTTLED, False) or getattr(
+            django_request, _REFUSED, False
+        )
+        for name, value in limits.fields(refused=refused).items():
             response[name] = value  # replaces, never appends
     return response
+
+
+def _release_after(request: Any, response: Any) -> Any:
+    """Releases the request's permits when its response ends: now for a plain
+    response (the view is done), when Django closes a streaming one (after its
+    last chunk, or when the client went away); each chunk renews them."""
+    limits: RequestLimits | None = getattr(_django_request(request), _STATE, None)
+    if limits is None or not limits.permits or limits.closing:
+        return response
+    if not getattr(response, "streaming", False):
+        limits.close()
+        return response
+    limits.closing = True
+    if response.is_async:
+        response.streaming_content = AsyncStreamedBody(response.streaming_content, limits)
+    else:
+        response.streaming_content = StreamedBody(response.streaming_content, limits, releases=True)
+    return response
+
+
+def _release_now(request: Any) -> None:
+    """Releases the request's permits unless a streaming response will."""
+    limits: RequestLimits | None = getattr(_django_request(request), _STATE, None)
+    if limits is not None and not limits.closing:
+        limits.close()
 
 
 def ratelimit_fields(request: HttpRequest) -> dict[str, str]:
@@ -163,14 +275,27 @@ class Limit(LimitSettings[HttpRequest]):
     """One limit: decorate views with it, list it in ``BUCKETLIMIT_LIMITS``, or
     name it in a :class:`LimitThrottle`.
 
-    ``limiter`` (or a plan function returning one, or ``(policy_name, limiter)``),
-    ``key`` (default :func:`remote_address`), ``cost`` (an int or a function of
-    the request), ``name``, ``shadow``, ``exempt``, ``pk``: as in every adapter
-    (docs/web.md). Key, cost and exempt functions may be ``async def`` on async
-    views and in the async middleware.
+    ``limiter`` (or a plan function returning one, or ``(policy_name, limiter)``,
+    or a limit string on ``storage=``, default ``BUCKETLIMIT_STORAGE``), ``key``
+    (default :func:`remote_address`), ``cost`` (an int or a function of the
+    request), ``name``, ``shadow``, ``exempt``, ``pk``, ``max_wait``, ``headers``,
+    ``on_refusal``: as in every adapter (docs/web.md). Key, cost and exempt
+    functions may be ``async def`` on async views and in the async middleware. A
+    WSGI server cannot tell that a waiting client left: it keeps its tokens.
     """
 
     default_key = staticmethod(remote_address)
+
+    def check_limiter(self, limiter: AnyLimiter | ConcurrencyLimiterLike) -> None:
+        if is_concurrency_limiter(limiter) and is_async_limiter(limiter):
+            raise TypeError(
+                "Django releases a permit when a response closes, which is synchronous: use "
+                f"ConcurrencyLimiter or RedisConcurrencyLimiter for concurrency=, not {limiter!r}"
+            )
+
+    def default_storage(self) -> str:
+        """``BUCKETLIMIT_STORAGE`` (default ``memory://``)."""
+        return str(getattr(settings, "BUCKETLIMIT_STORAGE", None) or "memory://")
 
     def __call__(self, view: F) -> F:
         """Limits one view (a function, or ``method_decorator(limit)`` on a class's
@@ -179,37 +304,71 @@ class Limit(LimitSettings[HttpRequest]):
 
             @functools.wraps(view)
             async def limited_async(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-                refusal = await self.acheck(request)
-                response = refusal or await view(request, *args, **kwargs)
-                return _write_fields(request, response)
+                try:
+                    refusal = await self.acheck(request)
+                    response = refusal or await view(request, *args, **kwargs)
+                except BaseException:
+                    _release_now(request)  # no response will release its permits
+                    raise
+                return _write_fields(request, _release_after(request, response))
 
+            setattr(limited_async, _OWN_LIMITS, True)
             return cast(F, limited_async)
 
         @functools.wraps(view)
         def limited(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
-            refusal = self.check(request)
-            response = refusal or view(request, *args, **kwargs)
-            return _write_fields(request, response)
+            try:
+                refusal = self.check(request)
+                response = refusal or view(request, *args, **kwargs)
+            except BaseException:
+                _release_now(request)  # no response will release its permits
+                raise
+            return _write_fields(request, _release_after(request, response))
 
+        setattr(limited, _OWN_LIMITS, True)
         return cast(F, limited)
 
-    def check(self, request: HttpRequest) -> HttpResponse | None:
-        """Applies the limit in sync code: a refusal response, or ``None`` to go on."""
+    def check(self, request: HttpRequest) -> Any:
+        """Applies the limit in sync code: a refusal response (``on_refusal``'s, or
+        the problem), or ``None`` to go on (always, with ``BUCKETLIMIT_ENABLED``
+        off)."""
+        if not _enabled():
+            return None
         _, refused = run(
             self.procedure(request, lambda: _request_limits(request), _describe, _hold_sync)
         )
-        return refusal_response(_request_limits(request).refusal()) if refused else None
+        return _refused(request, _request_limits(request)) if refused else None
 
-    async def acheck(self, request: HttpRequest) -> HttpResponse | None:
+    async def acheck(self, request: HttpRequest) -> Any:
         """Applies the limit in async code (an async limiter is awaited)."""
+        if not _enabled():
+            return None
         _, refused = await run_async(
             self.procedure(request, lambda: _request_limits(request), _describe, AsyncReservation)
         )
-        return refusal_response(_request_limits(request).refusal()) if refused else None
+        if not refused:
+            return None
+        response = _refused(request, _request_limits(request))
+        return await response if inspect.isawaitable(response) else response
 
 
 #: ``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``.
 limit = Limit
+
+
+def exempt(view: F) -> F:
+    """Marks a view (a function, or a class-based view's class) that the
+    middleware's limits (``BUCKETLIMIT_LIMITS``, ``BUCKETLIMIT_DEFAULT_LIMITS``)
+    skip: no charge, no fields. A view's own ``@limit`` still applies."""
+    global _EXEMPTS_MARKED
+    setattr(view, _EXEMPT, True)
+    _EXEMPTS_MARKED = True
+    return view
+
+
+def _marked(view: Any, mark: str) -> bool:
+    view_class = getattr(view, "view_class", None)  # a class-based view's as_view()
+    return bool(getattr(view, mark, False) or getattr(view_class, mark, False))
 
 
 def _configured_limits() -> Sequence[Limit]:
@@ -217,6 +376,64 @@ def _configured_limits() -> Sequence[Limit]:
     if isinstance(names, (str, Limit)):
         names = [names]
     return [_resolve(name) for name in names]
+
+
+def _per_route(request: Any) -> str:
+    """A default limit's key: the request's route and client, so each route has its
+    own bucket per client."""
+    match = getattr(_django_request(request), "resolver_match", None)
+    route = getattr(match, "route", None) or getattr(match, "view_name", None) or "?"
+    return f"{route}|{remote_address(request)}"
+
+
+@functools.lru_cache(maxsize=16)
+def _defaults_of(texts: tuple[str, ...], storage: str) -> tuple[Limit, ...]:
+    return tuple(Limit(text, storage=storage, key=_per_route) for text in texts)
+
+
+def _default_limits() -> Sequence[Limit]:
+    """``BUCKETLIMIT_DEFAULT_LIMITS``: limit strings, each a bucket per client per
+    route on every view without a ``@limit`` of its own (built once per value)."""
+    found = getattr(settings, "BUCKETLIMIT_DEFAULT_LIMITS", None)
+    if not found:
+        return ()
+    storage = str(getattr(settings, "BUCKETLIMIT_STORAGE", None) or "memory://")
+    return _defaults_of(tuple(_config.split_limits(found)), storage)
+
+
+def _view_of(request: HttpRequest) -> Any:
+    """The view the request goes to (the middleware runs before Django resolves it),
+    with ``request.resolver_match`` set; ``None`` for a path no URL matches."""
+    try:
+        match = resolve(request.path_info, getattr(request, "urlconf", None))
+    except Resolver404:
+        return None
+    request.resolver_match = match
+    return match.func
+
+
+def _limits_for(request: HttpRequest) -> Sequence[Limit]:
+    """The middleware's limits for this request: ``BUCKETLIMIT_LIMITS``, then the
+    default limits when the view has none of its own; none for an exempt view."""
+    configured = _configured_limits()
+    defaults = _default_limits()
+    if not (defaults or _any_exempt(configured)):
+        return configured
+    view = _view_of(request)
+    if view is not None and _marked(view, _EXEMPT):
+        return ()
+    if view is None or _marked(view, _OWN_LIMITS):
+        return configured
+    return [*configured, *defaults]
+
+
+def _any_exempt(configured: Sequence[Limit]) -> bool:
+    return bool(configured) and _EXEMPTS_MARKED
+
+
+#: Whether any view was marked :func:`exempt` (until then, no request is resolved
+#: by the middleware for it).
+_EXEMPTS_MARKED = False
 
 
 @functools.lru_cache(maxsize=64)
@@ -228,20 +445,30 @@ def _import(path: str) -> Limit:
     return found
 
 
+@functools.lru_cache(maxsize=64)
+def _from_string(text: str, storage: str) -> Limit:
+    return Limit(text, storage=storage)
+
+
 def _resolve(entry: str | Limit) -> Limit:
     if isinstance(entry, Limit):
         return entry
     if isinstance(entry, str):
+        if "/" in entry or " per " in entry:  # a limit string, not a dotted path
+            storage = str(getattr(settings, "BUCKETLIMIT_STORAGE", None) or "memory://")
+            return _from_string(entry.strip(), storage)
         return _import(entry)
     raise ConfigurationError(
         f"BUCKETLIMIT_LIMITS holds Limit objects or their dotted paths, got {entry!r}"
     )
 
 
-def _rewrite_throttled(request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
+def _rewrite_throttled(request: HttpRequest, response: HttpResponseBase) -> Any:
     """DRF answered a :class:`LimitThrottle` refusal with its own body: send ours."""
-    if getattr(request, _THROTTLED, False) and response.status_code == 429:
-        return refusal_response(_request_limits(request).refusal())
+    if getattr(request, _THROTTLED, False):
+        limits = _request_limits(request)
+        if response.status_code == limits.refusal().status:
+            return _refused(request, limits)
     return response
 
 
@@ -251,6 +478,16 @@ class RateLimitMiddleware:
 
     It also answers a :class:`LimitThrottle` refusal with the problem body every
     adapter sends, in place of DRF's ``{"detail": ...}``.
+
+    Settings, read per request (``override_settings`` applies at once):
+    ``BUCKETLIMIT_LIMITS`` (app-wide ``Limit`` objects, their dotted paths, or limit
+    strings), ``BUCKETLIMIT_DEFAULT_LIMITS`` (limit strings, each a bucket per
+    client per route, on views without a ``@limit``), ``BUCKETLIMIT_STORAGE``,
+    ``BUCKETLIMIT_ENABLED``, ``BUCKETLIMIT_HEADERS``, ``BUCKETLIMIT_ON_REFUSAL``.
+    When Django builds it (at start-up: the first request of ``runserver``, a
+    worker's boot under gunicorn) it asks the Redis store of each configured limit
+    (``check()``) and raises :class:`StoreCheckError` if one does not answer,
+    unless ``BUCKETLIMIT_CHECK_STORE = False``.
     """
 
     sync_capable = True
@@ -261,24 +498,43 @@ class RateLimitMiddleware:
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:
             markcoroutinefunction(self)
+        if getattr(settings, "BUCKETLIMIT_CHECK_STORE", True) and _enabled():
+            check_stores([*_configured_limits(), *_default_limits()])
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.is_async:
             return self.__acall__(request)
-        for each in _configured_limits():
-            refusal = each.check(request)
-            if refusal is not None:
-                return _write_fields(request, refusal)
-        response = self.get_response(request)
-        return _write_fields(request, _rewrite_throttled(request, response))
+        if not _enabled():
+            return self.get_response(request)
+        setattr(request, _RELEASES, True)
+        try:
+            for each in _limits_for(request):
+                refusal = each.check(request)
+                if refusal is not None:
+                    return _write_fields(request, refusal)
+            response = _rewrite_throttled(request, self.get_response(request))
+        except BaseException:
+            _release_now(request)  # no response will release the request's permits
+            raise
+        return _write_fields(request, _release_after(request, response))
 
     async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
-        for each in _configured_limits():
-            refusal = await each.acheck(request)
-            if refusal is not None:
-                return _write_fields(request, refusal)
-        response = await cast(Awaitable[HttpResponseBase], self.get_response(request))
-        return _write_fields(request, _rewrite_throttled(request, response))
+        if not _enabled():
+            return await cast(Awaitable[HttpResponseBase], self.get_response(request))
+        setattr(request, _RELEASES, True)
+        try:
+            for each in _limits_for(request):
+                refusal = await each.acheck(request)
+                if refusal is not None:
+                    return _write_fields(request, refusal)
+            response = await cast(Awaitable[HttpResponseBase], self.get_response(request))
+            rewritten = _rewrite_throttled(request, response)
+            if inspect.isawaitable(rewritten):
+                rewritten = await rewritten
+        except BaseException:
+            _release_now(request)
+            raise
+        return _write_fields(request, _release_after(request, rewritten))
 
 
 class LimitThrottle:
@@ -293,11 +549,17 @@ class LimitThrottle:
             throttle_classes = [Burst]
 
     ``allow_request`` decides (atomically, in Redis too: no timestamp list in the
-    cache racing between workers); ``wait()`` is the ``Retry-After`` in seconds
-    (``None`` when the request can never pass). With
-    :class:`RateLimitMiddleware` installed the response carries the fields and the
-    refusal the problem body (413/403 when it can never pass); without it, DRF's
-    own 429 with ``Retry-After``.
+    cache racing between workers); ``wait()`` is the ``Retry-After`` in seconds,
+    which DRF puts on its 429 (a limit with ``concurrency=`` needs
+    :class:`RateLimitMiddleware`, which releases the permit when the response ends;
+    without it ``allow_request`` raises ``ConfigurationError``). A refusal that can
+    never pass (a spent rate-0
+    quota, a cost above the capacity) has no wait: rather than DRF's 429 without
+    ``Retry-After`` (which generic clients retry at once), ``allow_request`` raises
+    DRF's ``Throttled`` with the status 403 or 413 and the problem body. Used alone
+    it is correct; with :class:`RateLimitMiddleware` installed the response also
+    carries the RateLimit fields and the body is the problem document every
+    adapter sends (``application/problem+json``).
     """
 
     limit: Limit
@@ -312,16 +574,25 @@ class LimitThrottle:
 
     def allow_request(self, request: Any, view: Any) -> bool:
         django_request = _django_request(request)
-        if getattr(django_request, _THROTTLED, False):
+        if getattr(django_request, _THROTTLED, False) or not _enabled():
             return True  # another limit refused already: nothing more is charged
-        held, refused = run(
-            self.limit.procedure(request, lambda: _request_limits(request), _describe, _hold_sync)
-        )
+        if self.limit.concurrency is not None and not getattr(django_request, _RELEASES, False):
+            raise ConfigurationError(
+                f"{type(self).__name__}'s limit {self.limit.name!r} has concurrency=, whose "
+                "permit is held until the response ends: add "
+                "'bucketlimit.django.RateLimitMiddleware' to MIDDLEWARE, which releases it"
+            )
+        limits = _request_limits(request)
+        held, refused = run(self.limit.procedure(request, lambda: limits, _describe, _hold_sync))
         if held is not None:
             self._decision = held.decision
-        if refused:
-            setattr(django_request, _THROTTLED, True)
-        return not refused
+        if not refused:
+            return True
+        setattr(django_request, _THROTTLED, True)
+        refusal = limits.refusal()
+        if refusal.status != 429:
+            raise _refused_for_good(refusal)
+        return False
 
     def wait(self) -> float | None:
         """Seconds until the refused request passes (``Retry-After``), or ``None``."""
@@ -333,6 +604,18 @@ class LimitThrottle:
     def get_ident(self, request: Any) -> str:
         """The limit's key for ``request`` (what DRF's throttles call their ident)."""
         return self.limit.checked_key(self.limit.key(request), _describe(request))
+
+
+def _refused_for_good(refusal: Refusal) -> Exception:
+    """DRF's ``Throttled`` for a refusal that can never pass: its status (403, 413),
+    no ``wait`` (no ``Retry-After``), the refusal's body."""
+    from rest_framework.exceptions import Throttled  # DRF only where a throttle runs
+
+    error = Throttled()
+    error.status_code = refusal.status
+    error.wait = None
+    error.detail = refusal.body  # as it is: DRF would turn its numbers into strings
+    return cast(Exception, error)
 
 
 def reservation(request: HttpRequest, name: str | None = None) -> Reservation | AsyncReservation:

@@ -23,50 +23,88 @@ every adapter sends: 429 with ``Retry-After`` and an RFC 9457 problem body (413
 or 403 when it can never pass), the same from the dependency and the
 middleware; every limited response carries ``RateLimit-Policy`` and
 ``RateLimit`` (draft-ietf-httpapi-ratelimit-headers-11), one field each.
+
+A ``concurrency=`` limit holds its permit until the response ends (a streamed body
+included). :class:`RateLimitMiddleware` releases it as soon as the last chunk is
+sent or the client goes away (``app.add_middleware(RateLimitMiddleware)`` takes no
+limit of its own then). Without it, ``Depends(limit)`` hands the release to
+FastAPI's exit stack of the request's dependencies, which FastAPI 0.118 and later
+closes once the response has been sent (its background tasks included) or the
+route failed; on an older FastAPI the dependency raises ``ConfigurationError``
+instead: add the middleware.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
-from typing import Any
+from contextlib import AsyncExitStack
+from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
+from starlette.routing import Match
 
 from bucketlimit._core import Decision
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import Refusal
-from bucketlimit._web.limits import ConfigurationError, KeyFunctionError
+from bucketlimit._web.fields import RETRY_AFTER, Refusal
+from bucketlimit._web.limits import (
+    ConfigurationError,
+    KeyFunctionError,
+    RefusalHook,
+)
+from bucketlimit._web.profiles import RETRY_AFTER_MS
 from bucketlimit._web.reservations import AsyncReservation, reserve_async
+from bucketlimit._web.startup import StoreCheckError
+from bucketlimit._web.waiting import ClientDisconnected
 from bucketlimit.asgi import (
     POLICY_VIOLATION,
     AsgiLimit,
-    RateLimitMiddleware,
     Receive,
     Scope,
+    disconnect_watch,
     ratelimit_fields,
     refusal_bytes,
+    release_permits_later,
+    releases_permits,
     request_limits,
     reservation,
     send_refusal,
+    startup_check,
 )
+from bucketlimit.asgi import RateLimitMiddleware as _AsgiMiddleware
 
 __all__ = [
     "POLICY_VIOLATION",
     "AsyncReservation",
+    "ClientDisconnected",
     "ConfigurationError",
     "KeyFunctionError",
     "Limit",
     "RateLimitExceeded",
     "RateLimitMiddleware",
+    "StoreCheckError",
     "client_address",
+    "exempt",
     "ratelimit_fields",
     "refusal_handler",
     "remote_address",
     "reservation",
     "reserve_async",
+    "startup_check",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: FastAPI's exit stack of a request's dependencies (``request.scope`` key): since
+#: FastAPI 0.118 it closes after the response is sent, when dependencies with
+#: ``yield`` finish. No such key: an older FastAPI, which closed it sooner.
+_REQUEST_STACK = "fastapi_inner_astack"
+
+_EXEMPT = "__bucketlimit_exempt__"  # an endpoint's mark: the middleware skips its route
+#: Whether any endpoint was marked: until then no request looks for its route.
+_any_exempt = False
 
 
 def client_address(
@@ -95,19 +133,43 @@ def client_address(
 remote_address = client_address()
 
 
+def exempt(endpoint: F) -> F:
+    """Marks a route's endpoint that :class:`RateLimitMiddleware` skips (no limit, no
+    charge, no fields): ``@app.get("/health")`` above ``@exempt``. A
+    ``Depends(limit)`` of the route still applies."""
+    global _any_exempt
+    setattr(endpoint, _EXEMPT, True)
+    _any_exempt = True
+    return endpoint
+
+
+def _route_exempt(scope: Scope) -> bool:
+    """Whether the route ``scope`` goes to has an :func:`exempt` endpoint (Starlette's
+    own matching, over the app's routes)."""
+    router = getattr(scope.get("app"), "router", None)
+    for route in getattr(router, "routes", ()):
+        match, child = route.matches(scope)
+        if match is Match.FULL:
+            endpoint = child.get("endpoint", getattr(route, "endpoint", None))
+            return bool(getattr(endpoint, _EXEMPT, False))
+    return False
+
+
 class RateLimitExceeded(HTTPException):
     """The refusal a :class:`Limit` dependency raises; :func:`refusal_handler` answers it.
 
     The dependency registers that handler with the app's exception middleware the
     first time it refuses (unless the app registered its own), so the body is the
-    same problem document the middleware sends, not ``{"detail": ...}``.
+    same problem document the middleware sends, not ``{"detail": ...}``. ``hook``
+    is the ``on_refusal`` that makes the response instead (or ``None``).
     """
 
-    def __init__(self, refusal: Refusal) -> None:
-        super().__init__(
-            refusal.status, detail=str(refusal.body["detail"]), headers=refusal.headers
-        )
+    def __init__(self, refusal: Refusal, hook: RefusalHook | None = None) -> None:
+        error = refusal.body.get("error")
+        detail = error.get("message") if isinstance(error, dict) else refusal.body.get("detail")
+        super().__init__(refusal.status, detail=str(detail), headers=refusal.headers)
         self.refusal = refusal
+        self.hook = hook
 
     @property
     def decision(self) -> Decision:
@@ -115,15 +177,45 @@ class RateLimitExceeded(HTTPException):
 
 
 async def refusal_handler(connection: HTTPConnection, exc: Exception) -> Response | None:
-    """Answers a :class:`RateLimitExceeded`: the problem response, or for a WebSocket
-    a refused handshake (429 where the server can send one, else close 1008)."""
+    """Answers a :class:`RateLimitExceeded`: the problem response (or what its
+    ``on_refusal`` returned, with the fields and ``Retry-After`` added where it set
+    none), or for a WebSocket a refused handshake (429 where the server can send
+    one, else close 1008)."""
     assert isinstance(exc, RateLimitExceeded)
     refusal = exc.refusal
+    if exc.hook is not None and connection.scope["type"] == "http":
+        response = exc.hook(connection, refusal)
+        if inspect.isawaitable(response):
+            response = await response
+        if isinstance(response, Response):
+            for name, value in request_limits(connection.scope).fields(refused=True).items():
+                response.headers[name] = value
+            if response.status_code == refusal.status:
+                for name in (RETRY_AFTER, RETRY_AFTER_MS):
+                    if name in refusal.headers and name not in response.headers:
+                        response.headers[name] = refusal.headers[name]
+        return response  # type: ignore[no-any-return]
     if connection.scope["type"] == "websocket":
         websocket: Any = connection
         await send_refusal(connection.scope, websocket.receive, websocket.send, refusal)
         return None
     return Response(refusal_bytes(refusal), refusal.status, headers=refusal.headers)
+
+
+def _watch(request: Request) -> Callable[[], Any] | None:
+    """What a waiting dependency races: the middleware's watch of the receive stream
+    when it runs, else the request's own (its body read first, so the route still
+    has it: Starlette keeps it on the request)."""
+    found = disconnect_watch(request.scope)
+    if found is not None:
+        return found
+
+    async def disconnected() -> None:
+        await request.body()
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return disconnected
 
 
 def _register_handler(scope: Scope) -> None:
@@ -150,11 +242,46 @@ class Limit(AsgiLimit[Any]):
         return Request(scope, receive) if scope["type"] == "http" else HTTPConnection(scope)
 
     async def __call__(self, request: HTTPConnection, response: Response) -> AsyncReservation:
-        held, refused = await self.apply(request)
+        if self.concurrency is not None and not releases_permits(request.scope):
+            self._release_after_the_response(request.scope)
+        watch = None
+        if self.max_wait and isinstance(request, Request):
+            watch = _watch(request)
+        try:
+            held, refused = await self.apply(request, watch)
+        except ClientDisconnected:
+            # Nobody to answer (nginx's 499, "client closed request"); tokens given back.
+            raise HTTPException(499, detail="client closed request") from None
         limits = request_limits(request.scope)
         if refused:
             _register_handler(request.scope)
-            raise RateLimitExceeded(limits.refusal())
+            raise RateLimitExceeded(limits.refusal(), limits.refusal_hook())
         for name, value in limits.fields().items():
             response.headers[name] = value  # replaces: the last limit writes every member
         return held
+
+    def _release_after_the_response(self, scope: Scope) -> None:
+        """Without the middleware: the request's permits are released when FastAPI
+        closes its dependencies' exit stack, after the response (0.118 and later)."""
+        stack = scope.get(_REQUEST_STACK)
+        if not isinstance(stack, AsyncExitStack):
+            raise ConfigurationError(
+                f"Depends(limit) of limit {self.name!r} has concurrency=, whose permit is "
+                "held until the response ends, and this FastAPI (before 0.118) closes its "
+                "dependencies before the response is sent: add "
+                "bucketlimit.fastapi.RateLimitMiddleware to the app "
+                "(app.add_middleware(RateLimitMiddleware), with or without a limit of its "
+                "own), which releases it"
+            )
+        stack.push_async_callback(release_permits_later(scope))
+
+
+class RateLimitMiddleware(_AsgiMiddleware):
+    """:class:`bucketlimit.asgi.RateLimitMiddleware` for Starlette and FastAPI: a
+    limit string becomes a :class:`Limit` of this module, and routes whose endpoint
+    is marked :func:`exempt` are skipped."""
+
+    limit_class = Limit
+
+    def exempt_scope(self, scope: Scope) -> bool:
+        return _any_exempt and _route_exempt(scope)

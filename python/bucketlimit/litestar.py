@@ -29,33 +29,40 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from litestar import Request
+from litestar import Request, Response
 from litestar.connection import ASGIConnection
 from litestar.middleware import DefineMiddleware
 
 from bucketlimit._web.addresses import Network, client_address_key
 from bucketlimit._web.limits import ConfigurationError, KeyFunctionError
 from bucketlimit._web.reservations import AsyncReservation, reserve_async
+from bucketlimit._web.startup import StoreCheckError
+from bucketlimit._web.waiting import ClientDisconnected
 from bucketlimit.asgi import (
     AsgiLimit,
     RateLimitMiddleware,
     Receive,
     Scope,
+    Send,
     ratelimit_fields,
     reservation,
+    startup_check,
 )
 
 __all__ = [
     "AsyncReservation",
+    "ClientDisconnected",
     "ConfigurationError",
     "KeyFunctionError",
     "Limit",
     "RateLimitMiddleware",
+    "StoreCheckError",
     "client_address",
     "ratelimit_fields",
     "remote_address",
     "reservation",
     "reserve_async",
+    "startup_check",
 ]
 
 
@@ -84,9 +91,13 @@ remote_address = client_address()
 class Limit(AsgiLimit[Any]):
     """One limit for Litestar: put :attr:`middleware` on the app or any layer.
 
-    The same settings as every adapter: ``limiter`` (or a plan function), ``key``
-    (default :data:`remote_address`), ``cost``, ``name``, ``shadow``, ``exempt``,
-    ``pk`` (docs/web.md).
+    The same settings as every adapter: ``limiter`` (or a plan function, or a limit
+    string on ``storage=``), ``key`` (default :data:`remote_address`), ``cost``,
+    ``name``, ``shadow``, ``exempt``, ``pk``, ``max_wait``, ``headers``,
+    ``on_refusal`` (docs/web.md); ``on_refusal`` may return a Litestar ``Response``.
+    Its Redis store is checked at start-up with
+    ``Litestar(..., on_startup=[limit.check_store])`` (every limit's:
+    ``on_startup=[startup_check]``).
     """
 
     default_key = staticmethod(remote_address)
@@ -95,6 +106,14 @@ class Limit(AsgiLimit[Any]):
         if scope["type"] == "http":
             return Request(scope, receive)  # type: ignore[arg-type]
         return ASGIConnection(scope)  # type: ignore[arg-type]
+
+    async def send_response(
+        self, response: Any, request: Any, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Sends what ``on_refusal`` returned: a Litestar ``Response``, or an ASGI app."""
+        if isinstance(response, Response):
+            response = response.to_asgi_response(None, request)
+        await response(scope, receive, send)
 
     @property
     def middleware(self) -> DefineMiddleware:

@@ -24,13 +24,21 @@ import inspect
 import math
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bucketlimit._core import TokenBucketLimiter
+from bucketlimit._core import ConcurrencyLimiter, TokenBucketLimiter
 
-__all__ = ["ManualClock", "limits_clock", "limits_on_clock", "manual_clock", "reset_limits"]
+__all__ = [
+    "ManualClock",
+    "PatchedTimeClock",
+    "limits_clock",
+    "limits_on_clock",
+    "manual_clock",
+    "reset_limits",
+]
 
 _NS = 1_000_000_000
 
@@ -101,6 +109,29 @@ class ManualClock:
         return f"ManualClock(now={self.now!r})"
 
 
+class PatchedTimeClock:
+    """A clock for tests that use freezegun or time-machine: it reads ``time.time()``
+    anew at every call, so ``freeze_time(...)`` / ``frozen.tick(5)`` (freezegun) and
+    ``travel(...)`` / ``traveller.shift(5)`` (time-machine) move every limiter built
+    on it, and every app limit put on it with :func:`limits_on_clock`.
+
+    The limiters' own clock cannot follow them: the default one is read inside Rust
+    (the CPU's monotonic counter, which neither library patches), and
+    ``clock=time.monotonic`` is the function as it was at construction
+    (time-machine never patches ``time.monotonic``). ``time.time()`` is the one
+    function both patch, looked up when called. For tests only: the wall clock
+    steps when the system's time is set.
+    """
+
+    __slots__ = ()
+
+    def __call__(self) -> float:
+        return time.time()
+
+    def __repr__(self) -> str:
+        return "PatchedTimeClock()"
+
+
 # A lock held by another thread at fork() would stay held for ever in the child:
 # every clock gets a new one there.
 _CLOCKS: weakref.WeakSet[ManualClock] = weakref.WeakSet()
@@ -126,11 +157,21 @@ def _twin(limiter: Any, clock: Callable[[], float]) -> TokenBucketLimiter:
     return TokenBucketLimiter(limiter.capacity, rate, clock, per=per)
 
 
-def _on_clock(limit: Any, clock: Callable[[], float], saved: list[tuple[Any, Any]]) -> None:
-    from bucketlimit._web.limits import is_limiter
+def _concurrency_twin(limiter: Any, clock: Callable[[], float]) -> ConcurrencyLimiter:
+    """An in-process concurrency limiter with ``limiter``'s limit and ttl, on ``clock``."""
+    return ConcurrencyLimiter(limiter.limit, ttl=getattr(limiter, "ttl", 60.0), clock=clock)
+
+
+def _on_clock(limit: Any, clock: Callable[[], float], saved: list[tuple[Any, Any, Any]]) -> None:
+    from bucketlimit.web import is_limiter
 
     original = limit.limiter
-    saved.append((limit, original))
+    concurrency = limit.concurrency
+    saved.append((limit, original, concurrency))
+    if concurrency is not None:
+        limit.concurrency = _concurrency_twin(concurrency, clock)
+    if original is None:  # concurrency alone
+        return
     if is_limiter(original):
         limit.limiter = _twin(original, clock)
         return
@@ -165,29 +206,32 @@ def limits_on_clock(clock: Callable[[], float] | None = None) -> Iterator[Callab
     """Every web limit (Flask, FastAPI, ASGI, Litestar, Django), those that exist and
     those made inside the block, decides on ``clock`` (a new :class:`ManualClock` by
     default), each with a fresh in-process bucket of the same capacity and rate
-    (a Redis limiter too); on exit each gets its own limiter back. Plan functions
-    keep choosing, each plan's limiter replaced by its twin on the clock::
+    (a Redis limiter too), and a limit's ``concurrency=`` with a fresh in-process
+    ``ConcurrencyLimiter`` of the same limit and ttl (its permits expire on the
+    clock); on exit each gets its own limiters back. Plan functions keep choosing,
+    each plan's limiter replaced by its twin on the clock::
 
         with limits_on_clock() as clock:
             assert client.get("/").status_code == 200
             clock.advance(1)
     """
-    from bucketlimit._web import limits as web
+    from bucketlimit.web import live_limits, watch_limits
 
     clock = ManualClock() if clock is None else clock
-    saved: list[tuple[Any, Any]] = []
+    saved: list[tuple[Any, Any, Any]] = []
 
     def hook(limit: Any) -> None:
         _on_clock(limit, clock, saved)
 
-    for limit in list(web._LIVE):
-        hook(limit)
-    web._ON_CREATE.append(hook)
     try:
-        yield clock
+        with watch_limits(hook):
+            for limit in live_limits():
+                hook(limit)
+            yield clock
     finally:
-        web._ON_CREATE.remove(hook)
-        for limit, original in reversed(saved):
+        for limit, original, concurrency in reversed(saved):
+            if concurrency is not None:
+                limit.concurrency = concurrency
             limit.limiter = original
 
 
@@ -195,10 +239,12 @@ def reset_limits() -> None:
     """Empties the buckets of every in-process limiter behind a web limit (each
     ``TokenBucketLimiter``'s ``clear()``): every client starts with a full bucket.
     Call it between tests that share a module-level app; Redis limiters keep their
-    state (flush the test database instead)."""
-    from bucketlimit._web import limits as web
+    state (flush the test database instead). Concurrency limiters are left alone:
+    they hold only the permits of responses still open, which closing those
+    responses releases (a test client's streamed response too: close it)."""
+    from bucketlimit.web import live_limits
 
-    for limit in list(web._LIVE):
+    for limit in live_limits():
         limiter = limit.limiter
         if isinstance(limiter, TokenBucketLimiter):
             limiter.clear()

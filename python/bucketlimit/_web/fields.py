@@ -28,6 +28,8 @@ QUOTA_EXCEEDED = "https://iana.org/assignments/http-problem-types#quota-exceeded
 QUOTA_SPENT = "tag:bucketlimit,2026:quota-spent"
 #: The request costs more than the whole bucket holds: it can never pass (413).
 COST_ABOVE_CAPACITY = "tag:bucketlimit,2026:cost-above-capacity"
+#: draft-11's quota unit of a concurrency limit (``qu``): requests in flight at once.
+CONCURRENT_REQUESTS = "concurrent-requests"
 
 # RFC 9651 (structured fields): an Integer has at most 15 digits.
 _SF_INT_MAX = 999_999_999_999_999
@@ -119,9 +121,25 @@ def _quoted(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def _policy_item(name: str, limit: int, window: int | None) -> str:
+def _policy_item(name: str, limit: int, window: int | None, unit: str | None) -> str:
     item = f"{_sf_string(name)};q={_sf_int(limit)}"
+    if unit is not None:
+        item = f"{item};qu={_sf_string(unit)}"
     return item if window is None else f"{item};w={_sf_int(window)}"
+
+
+def concurrency_decision(decision: Decision) -> Decision:
+    """A permit's ``Decision`` as HTTP reports it (docs/web.md, "Concurrency").
+
+    ``limit`` and ``remaining`` are the permits (``q`` and ``r``); ``reset_after`` is
+    ``inf``, since no time is known when every permit is free (a request ends when it
+    ends), so no ``t``, no ``X-RateLimit-Reset`` and no OpenAI reset field are sent;
+    a refusal's ``retry_after`` is at most 1 s: a slot frees the moment any request
+    of the key ends, and the permit's own bound (the holders' expiry, up to the
+    ``ttl``) would send well-behaved clients away for a whole ``ttl``.
+    """
+    retry = 0.0 if decision.allowed else min(decision.retry_after, 1.0)
+    return Decision(decision.allowed, retry, decision.remaining, math.inf, decision.limit)
 
 
 class Applied(NamedTuple):
@@ -129,7 +147,10 @@ class Applied(NamedTuple):
 
     ``rate`` is the limiter's tokens per second (``t``); ``pk`` the partition key
     (a Byte Sequence parameter on both fields) or ``None``; ``cost`` what the
-    request asked for (a cost above ``q`` is refused with 413).
+    request asked for (a cost above ``q`` is refused with 413); ``unit`` draft-11's
+    quota unit (``qu``), ``None`` for a token bucket (whose unit draft-11 cannot
+    name) and :data:`CONCURRENT_REQUESTS` for a concurrency limit
+    (:meth:`concurrent`).
     """
 
     name: str
@@ -138,6 +159,7 @@ class Applied(NamedTuple):
     rate: float = 0.0
     pk: bytes | None = None
     cost: int = 1
+    unit: str | None = None
 
     @classmethod
     def of(
@@ -154,11 +176,25 @@ class Applied(NamedTuple):
         rate = limiter.rate
         return cls(name, decision, window_seconds(limiter.capacity, rate), rate, pk, cost)
 
+    @classmethod
+    def concurrent(
+        cls, decision: Decision, name: str = "default", *, pk: bytes | None = None
+    ) -> Applied:
+        """A concurrency limit's answer under the policy ``name``: ``decision`` is the
+        permit's (``Permit.decision``), reported as :func:`concurrency_decision` says;
+        the policy has ``qu="concurrent-requests"`` and no window."""
+        return cls(name, concurrency_decision(decision), None, 0.0, pk, 1, CONCURRENT_REQUESTS)
+
+    @property
+    def concurrency(self) -> bool:
+        """Whether this is a concurrency limit's member (``qu="concurrent-requests"``)."""
+        return self.unit == CONCURRENT_REQUESTS
+
     def _pk(self) -> str:
         return "" if self.pk is None else f";pk=:{base64.b64encode(self.pk).decode('ascii')}:"
 
     def policy_item(self) -> str:
-        return _policy_item(self.name, self.decision.limit, self.window) + self._pk()
+        return _policy_item(self.name, self.decision.limit, self.window, self.unit) + self._pk()
 
     def limit_item(self) -> str:
         item = f"{_quoted(self.name)};r={_sf_int(self.decision.remaining)}"
@@ -215,6 +251,11 @@ def refusal_body(applied: Applied) -> dict[str, object]:
     retry = retry_after_seconds(applied.decision)
     if status == 413:
         detail = f"costs {applied.cost}, and policy {applied.name!r} holds {applied.decision.limit}"
+    elif applied.concurrency:
+        detail = (
+            f"policy {applied.name!r} allows {applied.decision.limit} requests at once; "
+            f"retry in {retry} s"
+        )
     elif retry is None:
         detail = f"policy {applied.name!r} is spent"
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from bucketlimit._core import Decision
 
@@ -55,16 +55,27 @@ AnyLimiter = SyncLimiter | AsyncLimiter | Limiter
 
 
 @runtime_checkable
-class Waited(Protocol):
-    """The reservation a limiter's ``_acquire_reservation`` answers (the in-process
-    one's, or a Redis one's): a request that waited settles through it, so that a
-    give-back keeps its place in the queue (docs/design.md §4, "Giving back")."""
+class ConcurrencyLimiterLike(Protocol):
+    """What the adapters need from a concurrency limiter (``concurrency=``):
+    ``ConcurrencyLimiter``, ``RedisConcurrencyLimiter``, and
+    ``AsyncRedisConcurrencyLimiter`` (whose methods are coroutines, awaited). The
+    ``Permit`` they answer is truthy when granted, has a ``decision`` and
+    ``release()`` (once), and ``renew()``; ``ttl`` is read when there is one."""
 
     @property
-    def decision(self) -> Decision: ...
-    def settle(self, used: int) -> Awaitable[None] | None: ...
+    def limit(self) -> int: ...
+    def try_acquire(self, key: str) -> Any: ...
+    def acquire(self, key: str, *, timeout: float | None = None) -> Any: ...
+
+
+def is_concurrency_limiter(candidate: object) -> bool:
+    """True for a concurrency limiter (it has try_acquire and acquire), which a
+    ``Limit`` takes as ``concurrency=`` (or in place of its limiter)."""
+    return all(callable(getattr(candidate, m, None)) for m in ("try_acquire", "acquire"))
 
 
 def is_async_limiter(limiter: object) -> bool:
-    """True when ``limiter.allow`` is a coroutine function (the asyncio Redis limiter)."""
-    return inspect.iscoroutinefunction(getattr(limiter, "allow", None))
+    """True when ``limiter.allow`` (a concurrency limiter's ``try_acquire``) is a
+    coroutine function: the asyncio Redis limiters."""
+    method = getattr(limiter, "allow", None) or getattr(limiter, "try_acquire", None)
+    return inspect.iscoroutinefunction(method)

@@ -4,18 +4,22 @@ become one field with several members, never repeated fields."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
 import secrets
 import threading
+import time
 import weakref
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, cast
 
-from bucketlimit import _errors
-from bucketlimit._core import Decision
+from bucketlimit import _config, _errors
+from bucketlimit._core import ConcurrencyLimiter, Decision
+from bucketlimit._reservations import AsyncReservationLike, ReservationLike
+from bucketlimit._web import profiles
 from bucketlimit._web.fields import (
     Applied,
     Refusal,
@@ -27,8 +31,9 @@ from bucketlimit._web.fields import (
     retry_after_seconds,
     window_seconds,
 )
-from bucketlimit._web.limiters import AnyLimiter, Waited
+from bucketlimit._web.limiters import AnyLimiter, ConcurrencyLimiterLike, is_concurrency_limiter
 from bucketlimit._web.reservations import AsyncReservation, Reservation
+from bucketlimit._web.waiting import ClientDisconnected, Waiting, permit_waiting, token_waiting
 
 logger = logging.getLogger("bucketlimit")
 
@@ -42,6 +47,12 @@ class ConfigurationError(_errors.ConfigurationError, RuntimeError):
 
 class KeyFunctionError(ConfigurationError):
     """A key function returned no key: that would put every such request in one bucket."""
+
+
+class LimitStringError(ValueError, TypeError):
+    """A ``str`` given as a limit's limiter that is no limit string: a wrong value
+    for a limit string (``ValueError``) and, as it always was, not a limiter
+    (``TypeError``)."""
 
 
 R = TypeVar("R")  # the framework's request type
@@ -64,11 +75,51 @@ ExemptFunc = Callable[[R], "bool | Awaitable[bool]"]
 Plan = AnyLimiter | tuple[str, AnyLimiter]
 #: A function of the request choosing the limiter (per plan, per API key).
 PlanFunc = Callable[[R], "Plan | Awaitable[Plan]"]
+#: ``on_refusal(request, refusal)``: the response to send for a refusal instead of the
+#: default one (the framework's response; in async adapters it may be ``async def``).
+RefusalHook = Callable[[Any, Refusal], Any]
+#: ``headers=``: a profile (``"draft-11"``, ``"legacy"``, ``"openai"``) or a list.
+Headers = str | Sequence[str]
+#: ``concurrency=``: at most N requests in flight per key (an in-process
+#: ``ConcurrencyLimiter(N)``), or a concurrency limiter (a Redis one across workers).
+Concurrency = int | ConcurrencyLimiterLike
 
-# Every limit alive, for bucketlimit.testing (a fake clock, a reset between tests).
+
+# -- every limit of the process: what start-up checks and test helpers walk -------------
+
 _LIVE: weakref.WeakSet[LimitSettings[Any]] = weakref.WeakSet()
-# Called with each new limit (bucketlimit.testing.limits_on_clock puts it on the clock).
-_ON_CREATE: list[Callable[[LimitSettings[Any]], None]] = []
+_WATCHERS: list[Callable[[LimitSettings[Any]], None]] = []
+_REGISTRY_LOCK = threading.Lock()
+
+
+def live_limits() -> list[LimitSettings[Any]]:
+    """Every web limit alive in this process (every adapter's ``Limit``), in no
+    particular order: what the start-up store checks (``check_stores``) and
+    ``bucketlimit.testing`` walk. A limit no longer referenced drops out."""
+    with _REGISTRY_LOCK:
+        return list(_LIVE)
+
+
+@contextlib.contextmanager
+def watch_limits(callback: Callable[[LimitSettings[Any]], None]) -> Iterator[None]:
+    """Calls ``callback(limit)`` for each web limit made inside the block (after its
+    construction), for tools that manage every limit of an app, such as
+    ``bucketlimit.testing.limits_on_clock``."""
+    with _REGISTRY_LOCK:
+        _WATCHERS.append(callback)
+    try:
+        yield
+    finally:
+        with _REGISTRY_LOCK:
+            _WATCHERS.remove(callback)
+
+
+def _register(limit: LimitSettings[Any]) -> None:
+    with _REGISTRY_LOCK:
+        _LIVE.add(limit)
+        watchers = list(_WATCHERS)
+    for watcher in watchers:
+        watcher(limit)
 
 
 if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
@@ -83,21 +134,10 @@ if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
         exempt: ExemptFunc[R] | None
         pk: bool | bytes
         max_wait: float
-
-
-class Waiting:
-    """A step that may wait for tokens: :func:`run` calls ``sync`` (the thread
-    sleeps), :func:`run_async` calls ``asynchronous`` and awaits it. Both wait on the
-    limiter's clock when it can (a ``ManualClock`` advances instead of sleeping)."""
-
-    __slots__ = ("asynchronous", "sync")
-
-    def __init__(self, sync: Callable[..., Any], asynchronous: Callable[..., Any]) -> None:
-        self.sync = sync
-        self.asynchronous = asynchronous
-
-    def __call__(self, *args: Any) -> Any:
-        return self.sync(*args)
+        storage: str | None
+        headers: Headers | None
+        on_refusal: RefusalHook | None
+        concurrency: Concurrency | None
 
 
 def _check_max_wait(max_wait: float) -> float:
@@ -117,6 +157,21 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _check_concurrency(concurrency: object) -> ConcurrencyLimiterLike:
+    """``concurrency=`` checked: an int is an in-process ``ConcurrencyLimiter`` of that
+    limit (which checks its range), else it must be a concurrency limiter."""
+    if isinstance(concurrency, bool):
+        raise TypeError(f"concurrency must be an int or a concurrency limiter, got {concurrency!r}")
+    if isinstance(concurrency, int):
+        return ConcurrencyLimiter(concurrency)
+    if not is_concurrency_limiter(concurrency):
+        raise TypeError(
+            "concurrency must be an int (the requests in flight per key) or a concurrency "
+            f"limiter (ConcurrencyLimiter, RedisConcurrencyLimiter), got {concurrency!r}"
+        )
+    return cast(ConcurrencyLimiterLike, concurrency)
+
+
 def is_limiter(candidate: object) -> bool:
     """True for a limiter (it has allow, peek and refund), false for a plan function."""
     return all(callable(getattr(candidate, m, None)) for m in ("allow", "peek", "refund"))
@@ -134,19 +189,46 @@ def _check_pk(pk: bool | bytes) -> bytes | None:
     raise TypeError(f"pk must be True, False or a secret (bytes), got {type(pk).__name__}")
 
 
+def can_never_pass(cost: int, limiter: AnyLimiter) -> bool:
+    """A cost above the capacity: refused for good (413), not a server error.
+
+    The cost often comes from the client (the tokens it asks for), so a request
+    larger than the whole bucket is the client's problem, rather than the
+    ``ValueError`` the limiter raises.
+    """
+    return isinstance(cost, int) and not isinstance(cost, bool) and cost > limiter.capacity
+
+
+def never(full: Decision) -> Decision:
+    """A refusal for a cost above the capacity, built on the bucket's real state.
+
+    ``full`` is ``peek(key, capacity)``: refused unless the bucket is full, and a
+    refusal reports the balance and time to full as they are (nothing spent).
+    """
+    if full.allowed:
+        return Decision(False, math.inf, full.limit, 0.0, full.limit)
+    return Decision(False, math.inf, full.remaining, full.reset_after, full.limit)
+
+
 class LimitSettings(Generic[R]):
     """One limit, as every adapter's ``Limit`` takes it; everything here is
     framework-free.
 
-    - ``limiter``: an in-process or Redis limiter, or a function of the request
-      returning one (a plan's, built once) or ``(policy_name, limiter)``. One
-      attribute, read on every request: assigning another takes effect at once.
+    - ``limiter``: an in-process or Redis limiter, a function of the request
+      returning one (a plan's, built once) or ``(policy_name, limiter)``, or a limit
+      string (``"100/minute"``, :func:`bucketlimit.parse_limit`) built on
+      ``storage`` by :func:`bucketlimit.limiter`. One attribute, read on every
+      request: assigning another takes effect at once.
+    - ``storage``: the storage URI of a limit string (``memory://``,
+      ``redis://...``); ``None``: the app's (each adapter's :meth:`default_storage`),
+      read when the limit first decides.
     - ``key``: a function of the request returning a non-empty ``str`` (default:
       the adapter's ``remote_address``); ``None`` or ``""`` raises
       :class:`KeyFunctionError` rather than sharing one bucket.
     - ``cost``: an ``int`` or a function of the request; a cost above the
       capacity is refused with 413 (it can never pass).
-    - ``name``: the policy name in the RateLimit fields; distinct per route.
+    - ``name``: the policy name in the RateLimit fields; distinct per route
+      (default ``"default"``, or the limit string for a limit string).
     - ``shadow``: decide, charge, report (fields, log, :attr:`shadow_refusals`),
       never refuse.
     - ``exempt``: a predicate of the request; true means no limit, no charge, no
@@ -155,26 +237,44 @@ class LimitSettings(Generic[R]):
       tokens instead, on the limiter's clock (0, the default: refuse at once); a
       longer wait is refused at once, spending nothing.
     - ``pk``: ``True`` (or a shared secret, ``bytes``) adds draft-11's partition key.
+    - ``headers``: the header profile(s), ``"draft-11"``, ``"legacy"``, ``"openai"``
+      or a list (``[]``: none); ``None``: the app's (draft-11 unless it says).
+    - ``on_refusal``: ``on_refusal(request, refusal)`` returns the response for a
+      refusal by this limit (``None``: the app's, else the default problem).
+    - ``concurrency``: at most that many requests of a key in flight at once: an
+      ``int`` (an in-process ``ConcurrencyLimiter``, one per worker) or a
+      concurrency limiter (``RedisConcurrencyLimiter`` across workers). The permit
+      is taken first (waiting up to ``max_wait`` for one, in arrival order), then
+      the tokens, and held until the response ends, its streamed body included
+      (the adapter releases it). With a limiter too, the limit is two policies:
+      ``name`` and :attr:`concurrency_name`. A concurrency limiter may also be
+      given as ``limiter``, alone.
 
     When several limits apply to a request and one refuses, the others' charges
-    are refunded: the request did not run. The functions may be ``async def``
-    where the framework is asyncio.
+    are refunded and their permits released: the request did not run. The
+    functions may be ``async def`` where the framework is asyncio.
     """
 
     #: The key when none is given (each adapter's ``remote_address``).
     default_key: ClassVar[staticmethod[[Any], Any] | None] = None
+    #: Whether a limit string on a Redis storage gets the asyncio limiter.
+    storage_asyncio: ClassVar[bool] = False
 
     def __init__(
         self,
-        limiter: AnyLimiter | PlanFunc[R],
+        limiter: AnyLimiter | PlanFunc[R] | str | ConcurrencyLimiterLike | None = None,
         *,
+        concurrency: Concurrency | None = None,
         key: KeyFunc[R] | None = None,
         cost: CostSpec[R] = 1,
-        name: str = "default",
+        name: str | None = None,
         shadow: bool = False,
         exempt: ExemptFunc[R] | None = None,
         pk: bool | bytes = False,
         max_wait: float = 0,
+        storage: str | None = None,
+        headers: Headers | None = None,
+        on_refusal: RefusalHook | None = None,
     ) -> None:
         self.max_wait = _check_max_wait(max_wait)
         if key is None:
@@ -188,26 +288,116 @@ class LimitSettings(Generic[R]):
                 raise ValueError(f"cost must be >= 1, got {cost}")
         if exempt is not None and not callable(exempt):
             raise TypeError(f"exempt must be a predicate of the request, got {exempt!r}")
-        self.limiter = limiter
+        if on_refusal is not None and not callable(on_refusal):
+            raise TypeError(f"on_refusal must be a function (request, refusal), got {on_refusal!r}")
+        self.headers = profiles.check_headers(headers)
+        self._lock = threading.Lock()
+        # A limit string whose storage is the app's: built when the limit first decides.
+        self._pending: str | None = None
+        self._limiter: Any = None
+        self._plan = False
+        self._concurrency: ConcurrencyLimiterLike | None = None
+        if is_concurrency_limiter(limiter) and not is_limiter(limiter):
+            if concurrency is not None:
+                raise TypeError(
+                    f"a concurrency limiter as the limiter ({limiter!r}) and concurrency= "
+                    f"({concurrency!r}) too: give one"
+                )
+            limiter, concurrency = None, cast(ConcurrencyLimiterLike, limiter)
+        if concurrency is not None:
+            self.concurrency = concurrency
+        if limiter is None:
+            if concurrency is None:
+                raise TypeError(
+                    "a Limit needs a limiter (or a function of the request returning one, "
+                    "or a limit string), concurrency=, or both"
+                )
+            if storage is not None:
+                raise TypeError(
+                    f"storage= is for a limit string, not for concurrency={concurrency!r}"
+                )
+        elif isinstance(limiter, str):
+            text = limiter.strip()
+            try:
+                _config.parse_limit(text)  # a bad string fails here, naming it
+            except ValueError as error:
+                raise LimitStringError(
+                    f"{error}; a Limit takes a limiter, a function of the request "
+                    "returning one, or a limit string"
+                ) from None
+            if name is None:
+                name = text
+            if storage is None:
+                self._pending = text
+            else:
+                self.limiter = self.build(text, storage)
+        elif storage is not None:
+            raise TypeError(f"storage= is for a limit string, not for a limiter: {limiter!r}")
+        else:
+            self.limiter = cast("AnyLimiter | PlanFunc[R]", limiter)
         self.key = key
         self.cost = cost
-        self.name = _check_name(name)
+        self.name = _check_name("default" if name is None else name)
+        if self.headers is not None and profiles.OPENAI in self.headers:
+            profiles.check_openai_name(self.name)
+            profiles.check_openai_name(self.concurrency_name)
         self.shadow = bool(shadow)
         self.exempt = exempt
+        self.on_refusal = on_refusal
         self._pk_secret = _check_pk(pk)
-        self._lock = threading.Lock()
         self._shadow_refusals = 0
-        _LIVE.add(self)
-        for hook in _ON_CREATE:
-            hook(self)
+        _register(self)
+
+    def build(self, text: str, storage: str) -> Any:
+        """The limiter of a limit string on ``storage`` (:func:`bucketlimit.limiter`:
+        the asyncio Redis limiter where this adapter is asyncio)."""
+        asyncio = _config.storage_scheme(storage)[0] != _config.MEMORY and self.storage_asyncio
+        return _config.limiter(text, storage=storage, async_=asyncio)
+
+    def default_storage(self) -> str:
+        """The storage of a limit string given none: the app's, where the adapter
+        knows it (Flask's ``RATELIMIT_STORAGE_URI``, Django's ``BUCKETLIMIT_STORAGE``),
+        else ``memory://``. Read once, when the limit first decides."""
+        return "memory://"
+
+    def _bind(self) -> None:
+        with self._lock:
+            text = self._pending
+            if text is not None:
+                self.limiter = self.build(text, self.default_storage())
 
     @property
-    def limiter(self) -> AnyLimiter | PlanFunc[R]:
-        """The limiter (or the function choosing one); assign to replace it."""
-        return self._limiter
+    def bound(self) -> bool:
+        """False while a limit string waits for the app's storage (until it first
+        decides, or :attr:`limiter` is read)."""
+        return self._pending is None
+
+    def bind(self, storage: str | None = None) -> None:
+        """Builds a limit string's limiter now, on ``storage`` (default: the app's,
+        :meth:`default_storage`); nothing for a limit that has its limiter."""
+        if self._pending is None:
+            return
+        if storage is None:
+            self._bind()
+            return
+        with self._lock:
+            if self._pending is not None:
+                self.limiter = self.build(self._pending, storage)
+
+    @property
+    def limiter(self) -> AnyLimiter | PlanFunc[R] | None:
+        """The limiter (or the function choosing one; ``None`` for a limit of
+        concurrency alone); assign to replace it. A limit string waiting for the
+        app's storage is built on it when first read."""
+        if self._pending is not None:
+            self._bind()
+        return cast("AnyLimiter | PlanFunc[R] | None", self._limiter)
 
     @limiter.setter
-    def limiter(self, limiter: AnyLimiter | PlanFunc[R]) -> None:
+    def limiter(self, limiter: AnyLimiter | PlanFunc[R] | None) -> None:
+        if limiter is None and self._concurrency is not None:  # concurrency alone
+            self._limiter, self._plan, self._pending = None, False, None
+            return
         plan = not is_limiter(limiter)
         if not plan:
             self.check_limiter(cast(AnyLimiter, limiter))
@@ -220,18 +410,41 @@ class LimitSettings(Generic[R]):
             )
         self._limiter = limiter
         self._plan = plan
+        self._pending = None
+
+    @property
+    def concurrency(self) -> ConcurrencyLimiterLike | None:
+        """The concurrency limiter (``None``: no concurrency limit); assign another
+        (or an int: a new in-process one) and it takes effect at once."""
+        return self._concurrency
+
+    @concurrency.setter
+    def concurrency(self, concurrency: Concurrency) -> None:
+        checked = _check_concurrency(concurrency)
+        self.check_limiter(checked)
+        self._concurrency = checked
+
+    @property
+    def concurrency_name(self) -> str:
+        """The policy name of the concurrency limit in the fields: :attr:`name` when
+        it is the limit's only policy, else ``"<name>-concurrency"`` (next to the
+        limiter's ``name``)."""
+        if self._limiter is None and self._pending is None:
+            return self.name
+        return f"{self.name}-concurrency"
 
     @property
     def window(self) -> int | None:
         """The ``w`` of the limiter's policy (``None`` for a plan function)."""
-        limiter = self._limiter
+        limiter = self.limiter
         if not is_limiter(limiter):
             return None
         limiter = cast(AnyLimiter, limiter)
         return window_seconds(limiter.capacity, limiter.rate)
 
-    def check_limiter(self, limiter: AnyLimiter) -> None:
-        """Refuses a limiter this adapter cannot drive (``TypeError``); any by default."""
+    def check_limiter(self, limiter: AnyLimiter | ConcurrencyLimiterLike) -> None:
+        """Refuses a limiter (or concurrency limiter) this adapter cannot drive
+        (``TypeError``); any by default."""
 
     def _check_can_wait(self, limiter: object) -> None:
         if self.max_wait and not callable(getattr(limiter, "acquire", None)):
@@ -267,27 +480,6 @@ class LimitSettings(Generic[R]):
             "(a missing key would put all such requests in one shared bucket)"
         )
 
-    @staticmethod
-    def can_never_pass(cost: int, limiter: AnyLimiter) -> bool:
-        """A cost above the capacity: refused for good (413), not a server error.
-
-        The cost often comes from the client (the tokens it asks for), so a request
-        larger than the whole bucket is the client's problem, rather than the
-        ``ValueError`` the limiter raises.
-        """
-        return isinstance(cost, int) and not isinstance(cost, bool) and cost > limiter.capacity
-
-    @staticmethod
-    def never(full: Decision) -> Decision:
-        """A refusal for a cost above the capacity, built on the bucket's real state.
-
-        ``full`` is ``peek(key, capacity)``: refused unless the bucket is full, and a
-        refusal reports the balance and time to full as they are (nothing spent).
-        """
-        if full.allowed:
-            return Decision(False, math.inf, full.limit, 0.0, full.limit)
-        return Decision(False, math.inf, full.remaining, full.reset_after, full.limit)
-
     def applied(
         self, decision: Decision, limiter: AnyLimiter, name: str, key: str, cost: int
     ) -> Applied:
@@ -322,14 +514,44 @@ class LimitSettings(Generic[R]):
         where = _Where(describe, request)  # formatted only for an error or a log line
         key = self.checked_key((yield self.key, (request,)), where)
         cost = (yield self.cost, (request,)) if callable(self.cost) else self.cost
+        if self._pending is not None:  # a limit string: built on the app's storage
+            self._bind()
         limiter, name = cast(AnyLimiter, self._limiter), self.name
-        core: Waited | None = None
         if self._plan:  # a plan function: this request's limiter
             limiter, name = self.chosen((yield cast(Step, (self._limiter, (request,)))))
-        if self.can_never_pass(cost, limiter):
-            decision = self.never((yield limiter.peek, (key, limiter.capacity)))
+        permit: Any = None  # the request's permit (concurrency=): taken before its tokens
+        before: tuple[Applied, ...] = ()
+        if self._concurrency is not None:
+            permit = yield from self._take_permit(self._concurrency, key, limits)
+            conc = self.applied_permit(permit.decision, key)
+            if not permit and self.refuses(conc.decision, key, 1, where):
+                held = hold(limiter, key, 0, conc.decision)
+                limits.add(self, conc, held, self.headers)
+                for other in limits.others(self):  # the request did not run
+                    yield other.cancel, ()
+                return held, True
+            if permit:
+                limits.hold(permit, getattr(self._concurrency, "ttl", None))
+            else:  # a shadow limit's would-be refusal: the request goes on without one
+                permit = None
+            if limiter is None:  # concurrency alone
+                held = hold(limiter, key, 0, conc.decision)
+                held.permit = permit
+                limits.add(self, conc, held, self.headers)
+                return held, False
+            before = (conc,)
+        core: ReservationLike | AsyncReservationLike | None = None
+        if can_never_pass(cost, limiter):
+            decision = never((yield limiter.peek, (key, limiter.capacity)))
         elif self.max_wait:  # wait for the tokens, or be refused at once (nothing spent)
-            waited = yield self.waiting(limiter), (key, cost)
+            try:
+                waited = yield token_waiting(limiter, self.max_wait), (key, cost)
+            except ClientDisconnected:  # the wait gave its tokens back; so do the others
+                if permit is not None:
+                    yield permit.release, ()
+                for other in limits.others(self):
+                    yield other.cancel, ()
+                raise
             if not isinstance(waited, Decision):  # a reservation, to settle through
                 core, decision = waited, waited.decision
             else:
@@ -337,29 +559,39 @@ class LimitSettings(Generic[R]):
         else:
             decision = yield limiter.allow, (key, cost)
         held = hold(limiter, key, cost if decision.allowed else 0, decision)
+        held.permit = permit
         if core is not None and decision.allowed:
-            held._settle_through(core)
-        limits.add(self, self.applied(decision, limiter, name, key, cost), held)
+            held.settle_through(core)
+        applied = self.applied(decision, limiter, name, key, cost)
+        limits.add(self, applied, held, self.headers, before)
         if not self.refuses(decision, key, cost, where):
             return held, False
+        if permit is not None:  # the request does not run: its permit goes to the next
+            yield permit.release, ()
         for other in limits.others(self):  # the request did not run: refund the others
             yield other.cancel, ()
         return held, True
 
-    def waiting(self, limiter: AnyLimiter) -> Waiting:
-        """The step that waits up to ``max_wait`` for the tokens: ``acquire`` for a
-        synchronous driver, ``acquire_async`` (when the limiter has it) for an async one.
-        The in-process limiter answers with its reservation, for the settle."""
-        waits: Any = limiter
-        timeout = self.max_wait
-        acquire = getattr(waits, "_acquire_reservation", waits.acquire)
-        acquire_async = getattr(
-            waits, "_acquire_reservation_async", getattr(waits, "acquire_async", acquire)
-        )
-        return Waiting(
-            lambda key, cost: acquire(key, cost, timeout=timeout),
-            lambda key, cost: acquire_async(key, cost, timeout=timeout),
-        )
+    def applied_permit(self, decision: Decision, key: str) -> Applied:
+        """The concurrency policy's member for the permit's ``decision``."""
+        name = self.concurrency_name
+        pk = None if self._pk_secret is None else partition_key(self._pk_secret, name, key)
+        return Applied.concurrent(decision, name, pk=pk)
+
+    def _take_permit(
+        self, concurrency: ConcurrencyLimiterLike, key: str, limits: RequestLimits
+    ) -> Procedure[Any]:
+        """The request's permit: ``try_acquire``, or with ``max_wait`` a wait for one in
+        arrival order (its own procedure, so that a client that disconnects while it
+        waits leaves the queue and the others give back what they hold)."""
+        if not self.max_wait:
+            return (yield concurrency.try_acquire, (key,))
+        try:
+            return (yield permit_waiting(concurrency, self.max_wait), (key,))
+        except ClientDisconnected:
+            for other in limits.others(self):
+                yield other.cancel, ()
+            raise
 
     def refuses(self, decision: Decision, key: str, cost: int, where: object) -> bool:
         """Whether to answer 429: counts and logs a shadow limit's would-be refusal."""
@@ -399,17 +631,79 @@ class _Where:
 @dataclass
 class _Entry:
     owner: object
-    applied: Applied
+    applied: Applied  # the member that decided (the refusing one of a refusal)
     reservation: Reservation | AsyncReservation
+    headers: tuple[str, ...] | None = None
+    before: tuple[Applied, ...] = ()  # the limit's other members (its concurrency)
+
+    @property
+    def members(self) -> tuple[Applied, ...]:
+        return (*self.before, self.applied)
+
+
+#: A permit is renewed after this share of its ttl while its response goes on.
+RENEW_AFTER = 1 / 3
 
 
 class RequestLimits:
-    """The limits applied to one request, in order; the one writer of its fields."""
+    """The limits applied to one request, in order; the one writer of its fields;
+    the holder of its permits until the response ends.
 
-    __slots__ = ("entries",)
+    ``headers`` (the header profiles of limits that name none) and ``on_refusal``
+    (the refusal hook of limits that have none) are the app's, set by the adapter
+    (Flask's extension, the ASGI middleware, Django's settings).
 
-    def __init__(self) -> None:
+    The permits of its limits (``concurrency=``) are released by :meth:`close`,
+    which each adapter calls once the response has ended (its last body chunk sent,
+    the client gone, or the handler failed); :meth:`keep_alive`, called as a
+    streamed body goes out, renews them so that a response longer than their
+    ``ttl`` keeps its slot.
+    """
+
+    __slots__ = ("_renew_at", "_ttl", "closing", "entries", "headers", "on_refusal", "permits")
+
+    def __init__(
+        self, headers: tuple[str, ...] | None = None, on_refusal: RefusalHook | None = None
+    ) -> None:
         self.entries: list[_Entry] = []
+        self.headers = profiles.DEFAULT if headers is None else headers
+        self.on_refusal = on_refusal
+        #: The permits the request holds, until :meth:`close`.
+        self.permits: list[Any] = []
+        #: Whether an adapter has arranged for :meth:`close` at the end of a streamed
+        #: response (so that nothing else closes it sooner).
+        self.closing = False
+        self._ttl = math.inf  # the shortest ttl of the permits held
+        self._renew_at = math.inf  # time.monotonic() of their next renewal
+
+    def hold(self, permit: Any, ttl: float | None) -> None:
+        """Keeps ``permit`` (granted) until :meth:`close`; ``ttl`` (its limiter's, or
+        ``None``) paces :meth:`keep_alive`."""
+        self.permits.append(permit)
+        if ttl is not None and ttl < self._ttl:
+            self._ttl = ttl
+            self._renew_at = min(self._renew_at, time.monotonic() + ttl * RENEW_AFTER)
+
+    def close(self) -> Awaitable[None] | None:
+        """Releases every permit the request holds, each once (a permit's ``release``
+        frees nothing the second time, so an early ``reservation.release()`` is
+        safe). Returns an awaitable to await when a release was a coroutine (an
+        asyncio Redis limiter's), else ``None``. A release that fails is logged: the
+        permit then frees at its expiry."""
+        if not self.permits:
+            return None
+        permits, self.permits = self.permits, []
+        self._renew_at = math.inf
+        return _each(permits, "release")
+
+    def keep_alive(self) -> Awaitable[None] | None:
+        """Renews the permits once a third of their ttl has passed since they were
+        taken or last renewed (cheap to call at every chunk of a streamed body).
+        Returns an awaitable to await when a renewal was a coroutine."""
+        if not self.permits or time.monotonic() < self._renew_at:
+            return None
+        self._renew_at = time.monotonic() + self._ttl * RENEW_AFTER
+        return _each(self.permits, "renew")
 
     def find(self, owner: object) -> Reservation | AsyncReservation | None:
         """The reservation ``owner`` already made for this request (a limit applies once)."""
@@ -419,38 +713,86 @@ class RequestLimits:
         return None
 
     def add(
-        self, owner: object, applied: Applied, reservation: Reservation | AsyncReservation
+        self,
+        owner: object,
+        applied: Applied,
+        reservation: Reservation | AsyncReservation,
+        headers: tuple[str, ...] | None = None,
+        before: tuple[Applied, ...] = (),
     ) -> None:
-        for entry in self.entries:
-            if entry.applied.name == applied.name:
+        """Records ``owner``'s answer: ``applied`` is the member that decided,
+        ``before`` the limit's other members (its concurrency policy's)."""
+        names = {a.name for e in self.entries for a in e.members}
+        for member in (*before, applied):
+            if member.name in names:
                 raise ConfigurationError(
-                    f"two limits named {applied.name!r} apply to one request; each limit on "
+                    f"two limits named {member.name!r} apply to one request; each limit on "
                     "a route needs its own name= (they are reported as one RateLimit "
                     "field with one member per name)"
                 )
-        self.entries.append(_Entry(owner, applied, reservation))
+        self.entries.append(_Entry(owner, applied, reservation, headers, before))
 
     def others(self, owner: object) -> list[Reservation | AsyncReservation]:
         """Every reservation but ``owner``'s: refunded when ``owner`` refuses."""
         return [e.reservation for e in self.entries if e.owner is not owner]
 
-    def fields(self) -> dict[str, str]:
-        return ratelimit_fields([e.applied for e in self.entries])
+    def _profile(self, entry: _Entry) -> tuple[str, ...]:
+        return self.headers if entry.headers is None else entry.headers
+
+    def fields(self, refused: bool = False) -> dict[str, str]:
+        """The rate-limit fields of every limit, by each one's header profile:
+        draft-11's two fields (one member per limit), one limit's ``X-RateLimit-*``
+        (legacy), each limit's ``x-ratelimit-*-<name>`` (openai)."""
+        entries = self.entries
+        if all(e.headers is None for e in entries) and self.headers is profiles.DEFAULT:
+            return ratelimit_fields([a for e in entries for a in e.members])  # the common case
+        draft: list[Applied] = []
+        legacy: list[Applied] = []
+        openai: dict[str, str] = {}
+        for entry in entries:
+            profile = self._profile(entry)
+            members = entry.members
+            if profiles.DRAFT11 in profile:
+                draft += members
+            if profiles.LEGACY in profile:
+                legacy += members
+            if profiles.OPENAI in profile:
+                for member in members:
+                    openai.update(profiles.openai_fields(member))
+        return {
+            **ratelimit_fields(draft),
+            **profiles.legacy_fields(
+                legacy, refused and bool(legacy) and legacy[-1] is entries[-1].applied
+            ),
+            **openai,
+        }
 
     def refusal(self) -> Refusal:
         """How to answer the refusal of the last limit applied (the one that refused):
         its status (429, or 413/403 when it can never pass), the fields of every
-        limit with ``Retry-After`` and ``Content-Type``, and the problem body."""
-        applied = self.entries[-1].applied
-        headers = {**self.fields(), **refusal_headers(applied.decision)}
-        status = refusal_status(applied)
-        return Refusal(status, headers, refusal_body(applied), applied.decision)
+        limit with ``Retry-After`` and ``Content-Type``, and the body: the problem
+        document, or OpenAI's error object under the ``openai`` profile."""
+        entry = self.entries[-1]
+        applied = entry.applied
+        headers = {**self.fields(refused=True), **refusal_headers(applied.decision)}
+        if profiles.OPENAI in self._profile(entry):
+            headers.update(profiles.openai_refusal_headers(applied))
+            body = profiles.openai_body(applied)
+        else:
+            body = refusal_body(applied)
+        return Refusal(refusal_status(applied), headers, body, applied.decision)
+
+    def refusal_hook(self) -> RefusalHook | None:
+        """The ``on_refusal`` of the refusing limit, else the app's, else ``None``."""
+        owner = self.entries[-1].owner
+        hook = getattr(owner, "on_refusal", None)
+        return self.on_refusal if hook is None else cast(RefusalHook, hook)
 
     def reservation(self, name: str | None) -> Reservation | AsyncReservation:
         """The reservation of the limit called ``name`` (``None``: the only one)."""
         if name is not None:
             for entry in self.entries:
-                if entry.applied.name == name:
+                if any(member.name == name for member in entry.members):
                     return entry.reservation
             raise LookupError(f"no limit named {name!r} applied to this request")
         if len(self.entries) == 1:
@@ -461,21 +803,52 @@ class RequestLimits:
         raise LookupError(f"several limits apply to this request; name one of {names!r}")
 
 
+def _each(permits: list[Any], method: str) -> Awaitable[None] | None:
+    """Calls ``release`` or ``renew`` on every permit; an awaitable of the answers
+    that are coroutines (``None`` when there are none). A failure is logged, not
+    raised: a response that ends must not fail because a store did not answer."""
+    pending: list[Awaitable[Any]] = []
+    for permit in permits:
+        try:
+            answer = getattr(permit, method)()
+        except Exception:
+            failed = "%s() of %r failed; it frees at its expiry"
+            logger.warning(failed, method, permit, exc_info=True)
+            continue
+        if answer is not None and answer.__class__ is not bool and inspect.isawaitable(answer):
+            pending.append(answer)
+    return _awaiting(pending, method) if pending else None
+
+
+async def _awaiting(pending: list[Awaitable[Any]], method: str) -> None:
+    for answer in pending:
+        try:
+            await answer
+        except Exception:
+            logger.warning("%s() of a permit failed; it frees at its expiry", method, exc_info=True)
+
+
 # Answers that are never awaitable: checked first, as inspect.isawaitable is slow.
 _PLAIN = frozenset({str, int, bool, type(None), Decision, tuple})
 
 
-async def run_async(procedure: Procedure[T]) -> T:
+async def run_async(
+    procedure: Procedure[T], disconnected: Callable[[], Awaitable[object]] | None = None
+) -> T:
     """Drives a procedure for an asyncio framework: each step is called, and awaited
     when it answers with an awaitable (an ``async def`` key function, the asyncio
-    Redis limiter); a :class:`Waiting` step waits with its asynchronous twin."""
-    return await _drive(procedure, waits_async=True)
+    Redis limiter); a :class:`Waiting` step waits with its asynchronous twin, and
+    when ``disconnected()`` (an awaitable that ends when the client goes away) ends
+    first, the wait is cancelled, its tokens and the request's other charges are
+    given back, and :class:`ClientDisconnected` is raised."""
+    return await _drive(procedure, waits_async=True, disconnected=disconnected)
 
 
 def run(procedure: Procedure[T]) -> T:
     """Drives a procedure for a synchronous framework: the same loop, run to its end
     at once without an event loop (an ``async def`` function must finish without
-    suspending); a :class:`Waiting` step is called as it is (the thread sleeps)."""
+    suspending); a :class:`Waiting` step is called as it is (the thread sleeps; a
+    WSGI server cannot tell that the client left)."""
     coroutine = _drive(procedure, waits_async=False)
     try:
         coroutine.send(None)
@@ -488,16 +861,30 @@ def run(procedure: Procedure[T]) -> T:
     )
 
 
-async def _drive(procedure: Procedure[T], *, waits_async: bool) -> T:
+async def _drive(
+    procedure: Procedure[T],
+    *,
+    waits_async: bool,
+    disconnected: Callable[[], Awaitable[object]] | None = None,
+) -> T:
     """The one loop of both drivers."""
     answer = None
+    gone: ClientDisconnected | None = None
     while True:
         try:
-            function, args = procedure.send(answer)
+            if gone is None:
+                function, args = procedure.send(answer)
+            else:  # the procedure gives back what the request held, then re-raises
+                function, args = procedure.throw(gone)
+                gone = None
         except StopIteration as done:
             return cast(T, done.value)
         if waits_async and function.__class__ is Waiting:
-            function = function.asynchronous
+            try:
+                answer = await function.asynchronous(*args, disconnected)
+            except ClientDisconnected as error:
+                gone = error
+            continue
         answer = function(*args)
         if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
             answer = await answer

@@ -1,18 +1,30 @@
-"""Reservations: reserve the largest cost up front, give back the unused part."""
+"""Reservations: reserve the largest cost up front, give back the unused part.
+
+The adapters' reservations satisfy the one reservation contract
+(``bucketlimit.ReservationLike`` for :class:`Reservation`,
+``bucketlimit.AsyncReservationLike`` for :class:`AsyncReservation`; docs/design.md
+§2): ``delay``, ``cost``, ``key``, ``decision``, truthy when the request may go on,
+``wait()`` (the request already waited: it answers at once), ``cancel()`` and
+``settle(used)``, which here return how many tokens were refunded.
+"""
 
 from __future__ import annotations
 
 import inspect
+import math
+import operator
 import threading
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, SupportsIndex, TypeVar
 
 from bucketlimit._core import Decision
-from bucketlimit._web.limiters import AnyLimiter, SyncLimiter, Waited
+from bucketlimit._reservations import AsyncReservationLike, ReservationLike
+from bucketlimit._web.limiters import AnyLimiter, SyncLimiter
 
 
-def _check_used(used: int) -> int:
-    if isinstance(used, bool) or not isinstance(used, int):
+def _check_used(used: SupportsIndex) -> int:
+    if isinstance(used, bool) or not hasattr(type(used), "__index__"):
         raise TypeError(f"used must be an int, got {type(used).__name__}")
+    used = operator.index(used)
     if used < 0:
         raise ValueError(f"used must be >= 0, got {used}")
     return used
@@ -27,22 +39,31 @@ _SETTLE_LOCK = threading.Lock()
 
 
 class _ReservationBase(Generic[L]):
-    __slots__ = ("_core", "_limiter", "_settled", "charged", "decision", "key")
+    __slots__ = ("_core", "_limiter", "_settled", "charged", "cost", "decision", "key", "permit")
 
     def __init__(self, limiter: L | None, key: str, charged: int, decision: Decision | None):
         self._limiter = limiter
         self.key = key
         #: Tokens this reservation holds (0 when refused, exempt, or settled).
         self.charged = charged
+        #: Tokens it reserved (0 when refused or exempt); ``charged`` is what is left.
+        self.cost = charged
         #: The limiter's answer; ``None`` when the request was exempt.
         self.decision = decision
         self._settled = False
         # The in-process limiter's reservation when the request waited for its
         # tokens: settled through it, a give-back keeps its place in the queue
         # (docs/design.md §4, "Giving back"); else refund / charge on the limiter.
-        self._core: Waited | None = None
+        self._core: ReservationLike | AsyncReservationLike | None = None
+        #: The concurrency permit the request holds (``Limit(concurrency=...)``), or
+        #: ``None``: its ``token`` is the fencing token. The adapter releases it when
+        #: the response ends (:meth:`release` frees it sooner); :meth:`cancel`
+        #: releases it too (the request did not run).
+        self.permit: Any = None
 
-    def _settle_through(self, core: Waited) -> None:
+    def settle_through(self, core: ReservationLike | AsyncReservationLike) -> None:
+        """Settle through ``core``, the limiter's own reservation of a request that
+        waited for its tokens (the request procedure calls it)."""
         self._core = core
 
     @property
@@ -50,11 +71,24 @@ class _ReservationBase(Generic[L]):
         """True when the request may go on (exempt requests included)."""
         return self.decision is None or self.decision.allowed
 
-    def _take_difference(self, used: int) -> int:
+    def __bool__(self) -> bool:
+        return self.allowed
+
+    @property
+    def delay(self) -> float:
+        """Seconds the request waited for its tokens (0.0 when it did not; they are
+        the request's by the time the handler holds this); for a refusal, its
+        ``retry_after`` (``math.inf``: never)."""
+        if not self.allowed:
+            return self.decision.retry_after if self.decision is not None else math.inf
+        core = self._core
+        return 0.0 if core is None else float(core.delay)
+
+    def _take_difference(self, used: SupportsIndex) -> int:
         """Tokens to give back (> 0) or charge more (< 0) now; marks it settled.
 
         A refused or exempt reservation holds nothing and is charged nothing."""
-        _check_used(used)
+        used = _check_used(used)
         with _SETTLE_LOCK:
             if self._settled or self._limiter is None or not self.allowed:
                 self._settled = True
@@ -86,22 +120,42 @@ class Reservation(_ReservationBase[SyncLimiter]):
 
     __slots__ = ()
 
-    def settle(self, used: int) -> int:
+    def wait(self) -> Decision | None:
+        """The tokens are already the request's (it waited before the handler ran):
+        returns :attr:`decision` at once (``None`` when exempt)."""
+        return self.decision
+
+    async def wait_async(self) -> Decision | None:
+        """:meth:`wait`, awaitable."""
+        return self.decision
+
+    def settle(self, used: SupportsIndex) -> int:
         """Keeps ``used`` tokens: refunds the rest or charges the overage; returns how
         many were refunded (0 when charged more)."""
         difference = self._take_difference(used)
+        used = operator.index(used)
         limiter: Any = self._limiter
         if difference and self._core is not None:
             self._core.settle(used)
         elif difference > 0:
-            limiter.refund(self.key, difference)
+            refund(limiter, self.key, difference, self.decision)
         elif difference < 0 and callable(getattr(limiter, "charge", None)):
             limiter.charge(self.key, -difference)
         return max(0, difference)
 
+    def release(self) -> None:
+        """Releases the request's concurrency permit now, before the response ends
+        (the expensive part is done); once: later calls, the adapter's at the end of
+        the response included, free nothing. Nothing without a permit."""
+        if self.permit is not None:
+            self.permit.release()
+
     def cancel(self) -> int:
-        """Refunds everything (the request did not run); same as ``settle(0)``."""
-        return self.settle(0)
+        """Refunds everything and releases the permit (the request did not run);
+        returns the tokens refunded, as ``settle(0)``."""
+        refunded = self.settle(0)
+        self.release()
+        return refunded
 
 
 class AsyncReservation(_ReservationBase[AnyLimiter]):
@@ -113,25 +167,54 @@ class AsyncReservation(_ReservationBase[AnyLimiter]):
 
     __slots__ = ()
 
-    async def settle(self, used: int) -> int:
+    async def wait(self) -> Decision | None:
+        """The tokens are already the request's (it waited before the handler ran):
+        returns :attr:`decision` (``None`` when exempt)."""
+        return self.decision
+
+    async def settle(self, used: SupportsIndex) -> int:
         """Keeps ``used`` tokens: refunds the rest or charges the overage; returns how
         many were refunded (0 when charged more)."""
         difference = self._take_difference(used)
+        used = operator.index(used)
         limiter: Any = self._limiter
         result: Any = None
         if difference and self._core is not None:
             result = self._core.settle(used)  # awaited for an asyncio Redis limiter
         elif difference > 0:
-            result = limiter.refund(self.key, difference)
+            result = refund(limiter, self.key, difference, self.decision)
         elif difference < 0 and callable(getattr(limiter, "charge", None)):
             result = limiter.charge(self.key, -difference)
         if inspect.isawaitable(result):
             await result
         return max(0, difference)
 
+    async def release(self) -> None:
+        """:meth:`Reservation.release`: an asyncio limiter's release is awaited."""
+        if self.permit is not None:
+            answer = self.permit.release()
+            if inspect.isawaitable(answer):
+                await answer
+
     async def cancel(self) -> int:
-        """Refunds everything (the request did not run); same as ``settle(0)``."""
-        return await self.settle(0)
+        """Refunds everything and releases the permit (the request did not run);
+        returns the tokens refunded, as ``settle(0)``."""
+        refunded = await self.settle(0)
+        await self.release()
+        return refunded
+
+
+def refund(limiter: Any, key: str, tokens: int, decision: Decision | None) -> Any:
+    """A reservation's tokens given back where they were taken (issue 19 D2): a
+    degraded answer's were not taken from the store, so they go to the limiter's
+    ``refund(..., degraded=True)`` (the Redis limiters': this process's share under
+    ``"local"``, else nowhere); a limiter of your own without that keyword keeps
+    them. Answers what ``refund`` answers (a coroutine for an asyncio limiter)."""
+    if decision is None or not decision.degraded:
+        return limiter.refund(key, tokens)
+    if "degraded" in inspect.signature(limiter.refund).parameters:
+        return limiter.refund(key, tokens, degraded=True)
+    return None
 
 
 def reserve(limiter: SyncLimiter, key: str, max_cost: int) -> Reservation:
