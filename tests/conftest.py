@@ -14,7 +14,9 @@ import pytest
 from hypothesis import settings
 
 # The helpers' asserts report like the tests' own (as when redis_servers was a plugin).
-pytest.register_assert_rewrite("tests.support")
+pytest.register_assert_rewrite(
+    "tests.support", "tests.web.problem", "tests.web.sf", "tests.web.exchange"
+)
 
 settings.register_profile("default", max_examples=60, deadline=None)
 settings.register_profile("thorough", max_examples=2000, deadline=None)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -287,7 +287,8 @@ def key_methods(key: Any) -> list[tuple[str, Call]]:
         side.user.reset(key)
 
     def allow_all_second(side: Side) -> Decision:
-        return allow_all([(side.cap, "all"), (side.user, key)])
+        # `key` is typed Any: typed as a str, the call is the token buckets' overload.
+        return allow_all([(side.cap, "all"), (side.user, cast(str, key))])
 
     return [*clock_methods(key=key), ("reset", reset), ("allow_all-second", allow_all_second)]
 

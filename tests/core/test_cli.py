@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 from fractions import Fraction
@@ -252,12 +253,99 @@ def test_bad_arguments_give_one_line_and_status_2(args: list[str]) -> None:
     assert lines[0].startswith("bucketlimit: error: ")
 
 
-@pytest.mark.parametrize("args", [[], ["frobnicate"], ["bench", "--quick", "--smoke"]])
+@pytest.mark.parametrize("args", [["frobnicate"], ["bench", "--quick", "--smoke"]])
 def test_bad_commands_give_one_line_and_status_2(args: list[str]) -> None:
     result = run_cli(*args)
     assert (result.returncode, result.stdout) == (2, "")
     assert len(result.stderr.splitlines()) == 1
     assert result.stderr.startswith("bucketlimit: error: ")
+
+
+def test_no_command_prints_the_usage_and_the_commands() -> None:
+    """Issue 23: ``bucketlimit`` alone printed one error line and no usage."""
+    result = run_cli()
+    assert (result.returncode, result.stdout) == (2, "")
+    lines = result.stderr.splitlines()
+    assert lines[0] == "usage: python -m bucketlimit [-h] [--version] COMMAND ..."
+    commands = {line.split()[0] for line in lines if line.startswith("    ")}
+    assert {"simulate", "bench"} <= commands
+    assert "Run 'python -m bucketlimit COMMAND --help' for the options of a command." in lines
+    assert lines[-1] == "bucketlimit: error: no command given: choose simulate or bench"
+    # The help asked for is the same text, on stdout and with status 0.
+    helped = run_cli("--help")
+    assert helped.returncode == 0
+    assert lines[-2] == ""
+    assert helped.stdout == "\n".join(lines[:-2]) + "\n"
+
+
+@pytest.mark.parametrize("command", ["simulate", "bench"])
+def test_each_command_help_has_a_description(command: str) -> None:
+    result = run_cli(command, "--help")
+    assert result.returncode == 0, result.stderr
+    usage, description = result.stdout.split("\n\n")[:2]
+    assert usage.startswith(f"usage: python -m bucketlimit {command} ")
+    assert not description.startswith("options:")
+    assert len(description.split()) >= 20  # a paragraph, not a placeholder
+    assert "\noptions:\n" in result.stdout
+
+
+def closed_pipe_run(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command writing to a pipe whose reader has already gone (a ``| head``
+    that exited): every write fails with EPIPE, wherever it happens."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "bucketlimit", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # the text report: written whole, fails when flushed
+        ["--format", "csv"],  # one row per request: fails in the middle
+        ["--format", "json"],
+    ],
+)
+def test_a_reader_that_leaves_early_gets_no_traceback(extra: list[str]) -> None:
+    """Issue 23: ``simulate ... | head`` ended in a BrokenPipeError traceback."""
+    result = closed_pipe_run("simulate", *simulate_args(pattern="burst"), *extra)
+    assert (result.returncode, result.stderr) == (1, "")
+
+
+def test_simulate_into_head_through_a_shell() -> None:
+    # 12,000 CSV rows, far more than a pipe holds: head leaves while the
+    # command still writes.
+    command = [
+        sys.executable,
+        "-m",
+        "bucketlimit",
+        "simulate",
+        *simulate_args(pattern="burst", duration="3000"),
+        "--format",
+        "csv",
+    ]
+    script = (
+        " ".join(shlex.quote(arg) for arg in command)
+        + ' | head -n 3; echo "$'
+        + ('{PIPESTATUS[0]}"')
+    )
+    result = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0] == "time,key,cost,allowed,retry_after,remaining"
+    assert len(lines) == 4
+    assert lines[-1] in ("0", "1")  # 1 when head left first; 0 if it all fit in the pipe
 
 
 def test_limiter_errors_name_the_values() -> None:

@@ -452,6 +452,34 @@ def test_settle_with_bad_used_changes_nothing(used: Any, error: type[Exception])
     assert limiter.peek("k").remaining == 3
 
 
+def test_a_rejected_settle_changes_nothing_and_leaves_the_reservation_usable() -> None:
+    # Issue 19 D8: settle(cost + 2**64) raised but used the reservation up, so a
+    # later settle(0) or cancel() gave nothing back.
+    limiter = TokenBucketLimiter(10, 1, clock=ManualClock())
+    held = limiter.reserve("k", 2)
+    with pytest.raises(ValueError, match=r"at most 2\*\*64 - 1"):
+        held.settle(2 + 2**64)
+    assert limiter.peek("k").remaining == 7  # nothing charged, nothing given back
+    held.cancel()  # still unsettled: both tokens come back
+    assert limiter.peek("k").remaining == 9
+    other = TokenBucketLimiter(10, 1, clock=ManualClock())
+    both = reserve_all([(limiter, "a", 1), (other, "b", 3)])
+    with pytest.raises(ValueError, match=r"at most 2\*\*64 - 1"):
+        both.settle([0, 3 + 2**64])
+    assert not limiter.peek("a", 10)  # the first part was not given back
+    assert other.peek("b").remaining == 6
+    both.settle([0, 0])
+    assert limiter.peek("a", 10)
+    assert other.peek("b").remaining == 9
+
+
+def test_a_charge_beyond_two_to_the_64_says_so() -> None:
+    limiter = TokenBucketLimiter(10, 1, clock=ManualClock())
+    with pytest.raises(ValueError, match=r"the cost of a charge must be at most 2\*\*64 - 1"):
+        limiter.charge("k", 2**64)
+    assert limiter.charge("k", 2**64 - 1).retry_after > 0  # the largest charge is recorded
+
+
 def test_bad_checks_are_type_errors() -> None:
     limiter = TokenBucketLimiter(2, 1)
     for checks in ([(limiter,)], [(limiter, "k", 1, 2)], ["k"], [("not", "k")]):

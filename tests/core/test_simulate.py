@@ -7,21 +7,30 @@ against the Fraction reference bucket of test_cli.py, one per key.
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import bucketlimit._simulate as package
 from bucketlimit import LimiterStats, TokenBucketLimiter
-from bucketlimit._simulate import Request, Settings, make_traffic
+from bucketlimit._simulate import Replay, Request, Settings, make_traffic, run
+from bucketlimit._simulate.fixed_window import fixed_window, window_like_bucket_us
+from bucketlimit._simulate.plot import figure
+from bucketlimit._simulate.replay_file import read_replay
 from bucketlimit.testing import ManualClock
 from tests.core.test_cli import ReferenceBucket, run_cli, simulate_args, table_row
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def simulate_json(*args: str) -> dict[str, Any]:
@@ -374,3 +383,119 @@ def test_the_console_script_runs_the_same_command() -> None:
     )
     assert helped.stdout.startswith("usage: bucketlimit simulate ")
     assert run_cli("simulate", "--help").stdout.startswith("usage: python -m bucketlimit simulate")
+
+
+def plotted(settings: Settings) -> tuple[Figure, Replay]:
+    """The ``--plot`` figure of a run, built from the simulator's own steps, and
+    rendered once (to memory), so that matplotlib has placed every artist."""
+    clock = ManualClock()
+    limiter = TokenBucketLimiter(settings.capacity, settings.rate, clock, per=settings.per)
+    if settings.replay is not None:
+        traffic, duration_us = read_replay(settings, limiter)
+    else:
+        assert settings.duration is not None
+        duration_us = round(settings.duration * 1e6)
+        traffic = make_traffic(settings, limiter.rate, duration_us)
+    replay = run(
+        limiter, clock, traffic.requests, duration_us, keys=traffic.keys, shared=settings.shared
+    )
+    if settings.compare is not None:
+        replay.compare = fixed_window(
+            traffic.requests,
+            settings.capacity,
+            window_like_bucket_us(settings, limiter),
+            duration_us,
+            shared=settings.shared,
+            origin_us=traffic.origin_us,
+        )
+    drawing = figure(settings, limiter, traffic, replay, duration_us)
+    drawing.savefig(io.BytesIO(), format="png")
+    return drawing, replay
+
+
+def test_replay_plot_names_the_files_costs_and_bars_count_tokens(tmp_path: Path) -> None:
+    """Issue 23: the replay plot's title said "cost 1" for a file of costs 1-5,
+    and its bars counted requests where the bucket meters cost."""
+    log = tmp_path / "costs.csv"
+    log.write_text("".join(f"{i / 4},k,{1 + i % 5}\n" for i in range(40)), encoding="utf-8")
+    settings = Settings(10, 2, 1, 1, None, None, replay=log)
+    drawing, replay = plotted(settings)
+    assert [text.get_text() for text in drawing.texts] == [
+        "bucketlimit simulate: capacity 10, 2 tokens/s, costs 1 to 5"
+    ]
+    bins = drawing.axes[1]
+    assert bins.get_ylabel().startswith("cost (tokens) per ")
+    admitted, refused = bins.containers
+    assert admitted.get_label() == "admitted"
+    # The bars are the tokens, as the text report's cost column counts them.
+    result = run_cli("simulate", "--capacity", "10", "--rate", "2", "--replay", str(log))
+    assert result.stdout.startswith(
+        "simulate: capacity 10, rate 2 per 1 s (2 tokens/s), costs 1 to 5\n"
+    )
+    offered_cost = sum(1 + i % 5 for i in range(40))
+    admitted_cost = table_row(result.stdout, "admitted")[1]
+    assert table_row(result.stdout, "offered")[1] == offered_cost
+    assert sum(bar.get_height() for bar in admitted) == admitted_cost == replay.admitted_cost
+    assert sum(bar.get_height() for bar in refused) == offered_cost - admitted_cost > 0
+
+
+def test_a_replay_of_one_cost_says_that_cost(tmp_path: Path) -> None:
+    log = tmp_path / "fours.csv"
+    log.write_text("".join(f"{i},k,4\n" for i in range(6)), encoding="utf-8")
+    result = run_cli("simulate", "--capacity", "10", "--rate", "2", "--replay", str(log))
+    assert result.stdout.startswith("simulate: capacity 10, rate 2 per 1 s (2 tokens/s), cost 4\n")
+    drawing, _ = plotted(Settings(10, 2, 1, 1, None, None, replay=log))
+    assert drawing.texts[0].get_text().endswith(", cost 4")
+    assert drawing.axes[1].get_ylabel().startswith("requests per ")
+
+
+@pytest.mark.parametrize(("shared", "compare"), [(False, None), (False, "fixed-window")])
+def test_plot_legends_stand_beside_the_lines(shared: bool, compare: str | None) -> None:
+    """Issue 23: the many-clients plot's legend covered its lines. Every legend
+    now stands right of its panel, inside the picture."""
+    settings = Settings(10, 2, 1, 1, "burst", 30, clients=8, shared=shared, compare=compare)
+    drawing, _ = plotted(settings)
+    panels = drawing.axes
+    assert len(panels) == (3 if compare else 2)
+    legend = panels[0].get_legend()
+    assert legend is not None
+    assert [text.get_text() for text in legend.get_texts()] == [f"client-{i}" for i in range(1, 7)]
+    assert legend.get_title().get_text() == "first 6 of 8"
+    picture = drawing.bbox
+    for panel in panels:
+        legend = panel.get_legend()
+        assert legend is not None
+        box, plot = legend.get_window_extent(), panel.get_window_extent()
+        assert not box.overlaps(plot), (panel.get_ylabel(), box, plot)
+        assert box.x0 > plot.x1
+        # Inside the picture, not cut off at its edge.
+        assert picture.x0 <= box.x0
+        assert picture.y0 <= box.y0
+        assert box.x1 <= picture.x1
+        assert box.y1 <= picture.y1
+
+
+def test_a_shared_bucket_is_one_line_without_a_legend() -> None:
+    # Before, --shared drew the one bucket once per client, each labelled "shared".
+    drawing, _ = plotted(Settings(10, 2, 1, 1, "burst", 30, clients=8, shared=True))
+    level = drawing.axes[0]
+    assert len(level.get_lines()) == 2  # the bucket's level and the capacity line
+    assert level.get_legend() is None
+
+
+def test_each_simulator_module_imports_only_those_listed_before_it() -> None:
+    """Issue 20: one concern a file, in the order ``bucketlimit/_simulate/__init__.py``
+    lists them; a module importing a later one would tie the concerns in a knot."""
+    folder = Path(package.__file__).parent
+    order = re.findall(r"^- ``(\w+)``:", package.__doc__ or "", re.MULTILINE)
+    assert sorted(order) == sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    for position, name in enumerate(order):
+        tree = ast.parse((folder / f"{name}.py").read_text(encoding="utf-8"))
+        imported = {
+            node.module.rsplit(".", 1)[1]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.startswith("bucketlimit._simulate.")
+        }
+        assert imported <= set(order[:position]), (name, imported - set(order[:position]))

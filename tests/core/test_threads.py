@@ -11,20 +11,17 @@ import random
 import subprocess
 import sys
 import textwrap
-import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import pytest
 
 from bucketlimit import TokenBucketLimiter, allow_all
 from bucketlimit.testing import ManualClock
+from tests.support.threads import run_threads
 
 THREADS = 16
 CALLS = 2_000
-
-T = TypeVar("T")
 
 
 @pytest.fixture(autouse=True)
@@ -33,30 +30,6 @@ def fast_thread_switching() -> Iterator[None]:
     sys.setswitchinterval(1e-6)
     yield
     sys.setswitchinterval(old)
-
-
-def run_threads(count: int, work: Callable[[int], T], timeout: float = 120) -> list[T]:
-    """Runs ``work(i)`` in ``count`` threads released together; returns the results."""
-    barrier = threading.Barrier(count)
-    results: dict[int, T] = {}
-    errors: list[BaseException] = []
-
-    def worker(index: int) -> None:
-        try:
-            barrier.wait()
-            results[index] = work(index)
-        except BaseException as error:  # reported below, in the test's thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-    assert not any(thread.is_alive() for thread in threads), "threads did not finish"
-    if errors:
-        raise errors[0]
-    return [results[i] for i in range(count)]
 
 
 def whole_tokens(limiter: TokenBucketLimiter, key: str) -> int:

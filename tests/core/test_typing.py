@@ -3,7 +3,8 @@
 The module below is what an application writes. Each line marked
 ``# expect-error`` is a mistake a type checker must report, and no other line
 may be reported: ``stats()["allowed"]`` is an ``int``, a misspelt key is an
-error, and the Redis limiters' counters are their own. The module is only
+error, the Redis limiters' counters are their own, and every reservation is
+one of the two reservation protocols. The module is only
 type-checked, never run (it needs no Redis server).
 
 Both checkers run as subprocesses; like the Redis tests, a missing checker
@@ -50,6 +51,44 @@ async def from_asyncio(redis_limiter: AsyncRedisTokenBucketLimiter) -> int:
 
 
 mixed: LimiterStats = store_trouble  # expect-error: a function is not stats
+
+from bucketlimit import AsyncReservationLike, ReservationLike  # noqa: E402
+from bucketlimit.redis import AsyncRedisReservation, RedisReservation  # noqa: E402
+
+
+def one_contract(sync: RedisReservation, asynchronous: AsyncRedisReservation) -> None:
+    every: list[ReservationLike] = [limiter.reserve("k"), sync]
+    awaited: AsyncReservationLike = asynchronous
+    crossed: ReservationLike = asynchronous  # expect-error: its wait is a coroutine
+
+from bucketlimit import (  # noqa: E402
+    ConcurrencyLimiter,
+    ConcurrencyStats,
+    Decision,
+    Permit,
+    Reservation,
+    acquire_all,
+    acquire_all_async,
+    allow_all,
+)
+
+inflight = ConcurrencyLimiter(5, ttl=30)
+counts: ConcurrencyStats = inflight.stats()
+waiting: int = counts["waiting"] + counts["in_flight"] + counts["abandoned"]
+no_allowed = counts["allowed"]  # expect-error: permits are granted, not allowed
+with inflight.acquire("k", timeout=1) as permit:
+    token: int = permit.token
+decided: Decision = allow_all([(limiter, "k", 1)])
+request: Reservation = allow_all([(limiter, "k", 1), (inflight, "k")])
+waited: ReservationLike = acquire_all([(limiter, "k", 3), (inflight, "k", 1)])
+acquire_all([(inflight, "k", 2)])  # expect-error: a permit check costs 1
+
+
+async def permits() -> int:
+    got: Permit = await inflight.acquire_async("k")
+    async with got:
+        both: Reservation = await acquire_all_async([(limiter, "k"), (inflight, "k")])
+        return both.permits[0].token
 """
 
 
@@ -97,6 +136,7 @@ def test_pyright_reports_exactly_the_mistakes(user_module: Path) -> None:
     messages = " ".join(d["message"] for d in errors)
     assert '"allwed" is not a defined key in "LimiterStats"' in messages
     assert '"keys" is not a defined key in "RedisLimiterStats"' in messages
+    assert '"allowed" is not a defined key in "ConcurrencyStats"' in messages
 
 
 @pytest.mark.timeout(300)
@@ -126,3 +166,4 @@ def test_mypy_reports_exactly_the_mistakes(user_module: Path, tmp_path: Path) ->
     assert lines == expected_lines(), result.stdout + result.stderr
     assert 'TypedDict "LimiterStats" has no key "allwed"' in result.stdout
     assert 'TypedDict "RedisLimiterStats" has no key "keys"' in result.stdout
+    assert 'TypedDict "ConcurrencyStats" has no key "allowed"' in result.stdout

@@ -20,7 +20,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bucketlimit import ConfigurationError, TokenBucketLimiter
+from bucketlimit import ConfigurationError, LimiterStats, RedisLimiterStats, TokenBucketLimiter
 from bucketlimit.metrics import (
     METRICS,
     LimiterMetrics,
@@ -178,19 +178,48 @@ def test_stats_are_read_only_when_collected() -> None:
     provider.shutdown()
 
 
-def test_reservations_waiting_reports_once_stats_has_it() -> None:
-    class WithReservations:
-        def stats(self) -> dict[str, int]:
-            return {"allowed": 1, "refused": 0, "reservations_waiting": 3}
-
-    limiters = LimiterMetrics({"upload": WithReservations()})
+def test_every_metric_reads_a_key_some_limiters_stats_has() -> None:
+    """Issue 23: ``reservations_waiting`` was exposed and no limiter ever filled it.
+    Every row now reads a key of LimiterStats or RedisLimiterStats."""
+    keys = set(LimiterStats.__annotations__) | set(RedisLimiterStats.__annotations__)
+    assert {m.stat for m in METRICS} <= keys
+    assert "reservations_waiting" not in {m.name for m in METRICS}
+    limiters = LimiterMetrics({"api": TokenBucketLimiter(1, 1)})
     registry = CollectorRegistry()
     limiters.register_prometheus(registry)
-    assert prom(registry, "bucketlimit_reservations_waiting", policy="upload") == 3
-    plain = LimiterMetrics({"api": TokenBucketLimiter(1, 1)})
-    other = CollectorRegistry()
-    plain.register_prometheus(other)
-    assert prom(other, "bucketlimit_reservations_waiting", policy="api") is None
+    assert "reservations_waiting" not in generate_latest(registry).decode()
+
+
+def test_the_outcomes_of_decisions_add_up() -> None:
+    """Issue 23: ``outcome="degraded"`` overlapped allowed and refused, so a
+    ``sum()`` over the outcomes counted degraded decisions twice."""
+    outcomes = [m.labels["outcome"] for m in METRICS if m.name == "decisions"]
+    assert outcomes == ["allowed", "refused"]
+    degraded = [m for m in METRICS if m.stat == "fallback_decisions"]
+    assert [(m.name, dict(m.labels)) for m in degraded] == [("degraded_decisions", {})]
+    # Within every name, the rows' label sets differ: sum() over them is additive.
+    for name in {m.name for m in METRICS}:
+        rows = [tuple(sorted(m.labels.items())) for m in METRICS if m.name == name]
+        assert len(rows) == len(set(rows)), name
+
+    class Degraded:
+        """A Redis limiter's stats() after 3 allowed and 2 refused, 4 of them
+        (and one peek) answered without the store."""
+
+        def stats(self) -> dict[str, int]:
+            return {"allowed": 3, "refused": 2, "fallback_decisions": 5}
+
+    limiters = LimiterMetrics({"api": Degraded()})
+    registry = CollectorRegistry()
+    limiters.register_prometheus(registry)
+    decisions = [
+        sample.value
+        for family in registry.collect()
+        if family.name == "bucketlimit_decisions"
+        for sample in family.samples
+    ]
+    assert sum(decisions) == 3 + 2  # every decision once
+    assert prom(registry, "bucketlimit_degraded_decisions_total", policy="api") == 5
 
 
 def test_adding_and_removing_limiters() -> None:

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import signal
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,12 +275,18 @@ def test_allow_many_rejects_bad_input_before_sending_anything(
 
 
 def test_batching_is_a_bool_and_off_by_default_for_threads(redis_client: redis.Redis) -> None:
-    assert not RedisTokenBucketLimiter(redis_client, 3, 1).batching
-    assert RedisTokenBucketLimiter(redis_client, 3, 1, batching=True).batching
+    assert not RedisTokenBucketLimiter(redis_client, 3, 1, prefix="bucketlimit:").batching
+    assert RedisTokenBucketLimiter(
+        redis_client, 3, 1, batching=True, prefix="bucketlimit:"
+    ).batching
     with pytest.raises(TypeError, match="batching must be a bool"):
-        RedisTokenBucketLimiter(redis_client, 3, 1, batching=1)  # type: ignore[arg-type]
-    assert AsyncRedisTokenBucketLimiter.from_url("redis://127.0.0.1:1/0", 3, 1).batching
-    off = AsyncRedisTokenBucketLimiter.from_url("redis://127.0.0.1:1/0", 3, 1, batching=False)
+        RedisTokenBucketLimiter(redis_client, 3, 1, batching=1, prefix="bucketlimit:")  # type: ignore[arg-type]
+    assert AsyncRedisTokenBucketLimiter.from_url(
+        "redis://127.0.0.1:1/0", 3, 1, prefix="bucketlimit:"
+    ).batching
+    off = AsyncRedisTokenBucketLimiter.from_url(
+        "redis://127.0.0.1:1/0", 3, 1, batching=False, prefix="bucketlimit:"
+    )
     assert not off.batching
 
 
@@ -331,47 +341,60 @@ class HeldClient(redis.Redis):
         return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
 
 
-class Interrupted(threading.Event):
-    def wait(self, timeout: float | None = None) -> bool:
-        raise KeyboardInterrupt
+def waiting_on_an_event(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is blocked in ``threading.Event.wait`` called by bucketlimit
+    (read off its stack): an allow waiting for the next shared round trip."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    waiting = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "wait" and code.co_filename == threading.__file__:
+            waiting = True
+        elif waiting and code.co_filename.startswith(PACKAGE):
+            return True
+        frame = frame.f_back
+    return False
 
 
+PACKAGE = os.path.dirname(bucketlimit.__file__)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
 def test_a_thread_interrupted_while_it_waits_leaves_no_thread_waiting(
     redis_server: Any, redis_client: redis.Redis
 ) -> None:
-    # A waiting thread hit by KeyboardInterrupt: its allow is not sent, and the
-    # next round trip is sent by the next waiter (nobody waits for ever).
-    made: list[threading.Event] = []
-    second_waits = threading.Event()
-
-    def wake() -> threading.Event:  # called as a waiter is queued, under the limiter's lock
-        made.append(Interrupted() if not made else threading.Event())
-        if len(made) == 2:
-            second_waits.set()
-        return made[-1]
-
-    class Limiter(RedisTokenBucketLimiter):
-        _wake_event = staticmethod(wake)
-
+    # A waiting thread hit by KeyboardInterrupt (a real SIGINT to the main thread,
+    # which waits in the queue): its allow is not sent, and the next round trip is
+    # sent by the next waiter (nobody waits for ever).
     client = HeldClient(host="127.0.0.1", port=redis_server.port)
-    limiter = Limiter(client, 10, 0, prefix="interrupted:", batching=True)
+    limiter = RedisTokenBucketLimiter(client, 10, 0, prefix="interrupted:", batching=True)
     results: dict[str, Any] = {}
+    main = threading.main_thread()
 
     def allow(name: str) -> None:
-        try:
-            results[name] = limiter.allow("k")
-        except KeyboardInterrupt as error:
-            results[name] = error
+        results[name] = limiter.allow("k")
+
+    def interrupt_main_when_it_waits() -> None:
+        deadline = time.monotonic() + 10
+        while not waiting_on_an_event(main) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        signal.pthread_kill(main.ident or 0, signal.SIGINT)
 
     first = threading.Thread(target=allow, args=("first",))
     first.start()
     assert client.entered.wait(10)  # the first round trip is in flight
-    interrupted = threading.Thread(target=allow, args=("interrupted",))
-    interrupted.start()
-    interrupted.join(10)
+    interrupter = threading.Thread(target=interrupt_main_when_it_waits)
+    interrupter.start()
+    try:
+        results["interrupted"] = limiter.allow("k")  # queued behind the first
+    except KeyboardInterrupt as error:
+        results["interrupted"] = error
+    interrupter.join(10)
     second = threading.Thread(target=allow, args=("second",))
     second.start()
-    assert second_waits.wait(10)  # the second allow waits for the next round trip
+    deadline = time.monotonic() + 10
+    while not waiting_on_an_event(second) and time.monotonic() < deadline:
+        time.sleep(0.001)  # the second allow waits for the next round trip
     client.release.set()
     for thread in (first, second):
         thread.join(10)
@@ -398,7 +421,7 @@ def test_a_batch_to_a_stopped_server_is_answered_by_the_policy_call_by_call(
     server = redis_server_factory.start()
     requests = [("a", 1), ("b", 2), ("a", 1), ("c", 1)]
     limiter = RedisTokenBucketLimiter.from_url(
-        url_of(server.port), 10, 1, timeout=0.5, on_store_error=policy
+        url_of(server.port), 10, 1, timeout=0.5, on_store_error=policy, prefix="bucketlimit:"
     )
     limiter.check()
     before = limiter.stats()["store_calls"]
@@ -414,15 +437,20 @@ def test_a_batch_to_a_stopped_server_is_answered_by_the_policy_call_by_call(
 
     async def main() -> list[Decision]:
         limiter = AsyncRedisTokenBucketLimiter.from_url(
-            url_of(server.port), 10, 1, timeout=0.5, on_store_error=policy
+            url_of(server.port), 10, 1, timeout=0.5, on_store_error=policy, prefix="bucketlimit:"
         )
         return await limiter.allow_many(requests)
 
     assert all(a.degraded for a in asyncio.run(main()))
 
 
-def test_a_batch_whose_reply_is_lost_is_never_resent(redis_server_factory: ServerFactory) -> None:
+@pytest.mark.parametrize("retry_interval", [0, 1.0])
+def test_a_batch_whose_reply_is_lost_is_never_resent(
+    redis_server_factory: ServerFactory, retry_interval: float
+) -> None:
     # Rate 0, 100 tokens: the bucket at the server says how many allows ran there.
+    # With the breaker on (issue 19 D7), the allows queued behind the lone call that
+    # timed out are not sent at all: its breaker opened while they waited.
     server = redis_server_factory.start()
     admin = server.client()
     with TcpProxy(server.port) as proxy:
@@ -438,7 +466,14 @@ def test_a_batch_whose_reply_is_lost_is_never_resent(redis_server_factory: Serve
                 driver_info=None,
                 protocol=2,
             )
-            limiter = AsyncRedisTokenBucketLimiter(client, 100, 0, on_store_error="closed")
+            limiter = AsyncRedisTokenBucketLimiter(
+                client,
+                100,
+                0,
+                on_store_error="closed",
+                prefix="bucketlimit:",
+                retry_interval=retry_interval,
+            )
             try:
                 assert (await limiter.allow("k")).allowed  # the script is loaded
                 sent.append(proxy.commands("EVALSHA", "EVAL"))
@@ -455,12 +490,18 @@ def test_a_batch_whose_reply_is_lost_is_never_resent(redis_server_factory: Serve
         sent.append(proxy.commands("EVALSHA", "EVAL"))
     assert len(answers) == 11
     assert all(a.degraded and not a.allowed for a in answers)
-    assert stats["store_errors"] == 11
     assert stats["fallback_decisions"] == 11
-    assert sent[1] - sent[0] == 2  # the lone call and the batch: neither sent twice
-    # Each ran once at the server: 1 + 11 tokens spent, 88 left (10**6 units a token).
-    assert admin.get(bucket("k")) is not None
-    assert int(admin.get(bucket("k")).split()[0]) == 88 * 10**6  # type: ignore[union-attr]
+    stored = admin.get(bucket("k"))
+    assert stored is not None
+    if retry_interval == 0:  # every call asks the store: the batch went, once
+        assert stats["store_errors"] == 11
+        assert sent[1] - sent[0] == 2  # the lone call and the batch: neither sent twice
+        # Each ran once at the server: 1 + 11 tokens spent, 88 left (10**6 units a token).
+        assert int(stored.split()[0]) == 88 * 10**6
+    else:  # the breaker opened on the lone call: the batch was never sent
+        assert stats["store_errors"] == 1
+        assert sent[1] - sent[0] == 1
+        assert int(stored.split()[0]) == 98 * 10**6
     admin.close()
 
 
@@ -469,7 +510,13 @@ def test_allow_many_whose_reply_is_lost_charges_once(redis_server_factory: Serve
     admin = server.client()
     with TcpProxy(server.port) as proxy:
         limiter = RedisTokenBucketLimiter.from_url(
-            url_of(proxy.port), 100, 0, timeout=0.3, on_store_error="local", processes=2
+            url_of(proxy.port),
+            100,
+            0,
+            timeout=0.3,
+            on_store_error="local",
+            processes=2,
+            prefix="bucketlimit:",
         )
         limiter.check()
         before = proxy.commands("EVALSHA", "EVAL")
@@ -555,16 +602,18 @@ def test_an_allow_cancelled_while_it_waits_is_left_out_of_the_batch(
 
         async def main() -> tuple[list[object], RedisLimiterStats]:
             limiter = AsyncRedisTokenBucketLimiter.from_url(
-                url_of(proxy.port), 10, 0, timeout=5, on_store_error="raise"
+                url_of(proxy.port), 10, 0, timeout=5, on_store_error="raise", prefix="bucketlimit:"
             )
             try:
                 assert (await limiter.allow("k")).allowed  # the script is loaded
                 proxy.latency = 0.2  # the lone call is surely on its way meanwhile
+                scripts = proxy.commands("EVALSHA", "EVAL")
                 tasks = [asyncio.ensure_future(limiter.allow("k")) for _ in range(4)]
                 await asyncio.sleep(0)  # each has started: one sent, three waiting
-                assert len(limiter._queue) == 3  # (the waiting line itself)
                 tasks[2].cancel()
                 answers = await asyncio.gather(*tasks, return_exceptions=True)
+                # The lone call, then one batch of the two still waiting.
+                assert proxy.commands("EVALSHA", "EVAL") == scripts + 2
                 return list(answers), limiter.stats()
             finally:
                 await limiter.client.aclose()

@@ -172,7 +172,12 @@ def test_a_hung_server_costs_one_attempt_per_retry_interval(
     server = redis_server_factory.start()
     with TcpProxy(server.port) as proxy:
         limiter = RedisTokenBucketLimiter.from_url(
-            url_of(proxy.port), 10**6, 10**5, timeout=TIMEOUT, retry_interval=RETRY
+            url_of(proxy.port),
+            10**6,
+            10**5,
+            timeout=TIMEOUT,
+            retry_interval=RETRY,
+            prefix="bucketlimit:",
         )
         with closing(limiter), Workers(limiter, THREADS) as workers:
             wait_for(lambda: workers.store_backed_streak() >= 50 * THREADS, "a healthy store")
@@ -216,7 +221,12 @@ def test_an_async_limiter_under_a_hung_server(redis_server_factory: ServerFactor
 
         async def main() -> dict[str, Any]:
             limiter = AsyncRedisTokenBucketLimiter.from_url(
-                url_of(proxy.port), 10**6, 10**5, timeout=TIMEOUT, retry_interval=retry
+                url_of(proxy.port),
+                10**6,
+                10**5,
+                timeout=TIMEOUT,
+                retry_interval=retry,
+                prefix="bucketlimit:",
             )
             calls = Calls()
             stop = asyncio.Event()
@@ -283,6 +293,7 @@ def test_a_cancelled_async_probe_lets_another_call_probe(
                 timeout=0.3,
                 retry_interval=0.05,
                 on_store_error="closed",
+                prefix="bucketlimit:",
             )
             try:
                 assert not (await limiter.allow("k")).degraded
@@ -401,7 +412,13 @@ def test_a_lost_reply_charges_exactly_once(
     admin = server.client()
     with TcpProxy(server.port) as proxy:
         limiter = RedisTokenBucketLimiter.from_url(
-            url_of(proxy.port), 10, 0, timeout=0.5, on_store_error=policy, retry_interval=0.1
+            url_of(proxy.port),
+            10,
+            0,
+            timeout=0.5,
+            on_store_error=policy,
+            retry_interval=0.1,
+            prefix="bucketlimit:",
         )
         with closing(limiter):
             assert limiter.allow("k")  # connected and the script loaded: 9 left
@@ -443,7 +460,9 @@ def test_a_restart_without_persistence_costs_one_fresh_burst(
     next calls reconnect and reload the script (NOSCRIPT) with no error surfacing,
     and the empty store admits one fresh burst, no more."""
     server = redis_server_factory.start()
-    with closing(RedisTokenBucketLimiter.from_url(server.url, 5, 0, **options)) as limiter:
+    with closing(
+        RedisTokenBucketLimiter.from_url(server.url, 5, 0, **options, prefix="bucketlimit:")
+    ) as limiter:
         assert [limiter.allow("k").allowed for _ in range(8)] == [True] * 5 + [False] * 3
         server.restart()
         asked = limiter.stats()["store_calls"]
@@ -482,7 +501,12 @@ def test_a_slow_store_is_not_amplified_by_retries(redis_server_factory: ServerFa
     server = redis_server_factory.start()
     with TcpProxy(server.port) as proxy:
         protected = RedisTokenBucketLimiter.from_url(
-            url_of(proxy.port), 10**6, 10**5, timeout=TIMEOUT, retry_interval=SLOW_RETRY
+            url_of(proxy.port),
+            10**6,
+            10**5,
+            timeout=TIMEOUT,
+            retry_interval=SLOW_RETRY,
+            prefix="bucketlimit:",
         )
         unprotected = RedisTokenBucketLimiter.from_url(
             url_of(proxy.port), 10**6, 10**5, timeout=TIMEOUT, retry_interval=0, prefix="u:"
@@ -524,7 +548,9 @@ def test_a_corrupt_bucket_is_never_admitted(
 ) -> None:
     """A store fault under every policy (even "open"), refused, counted; the store
     answered, so the breaker stays closed for the other keys."""
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error=policy)
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 3, 1, on_store_error=policy, prefix="bucketlimit:"
+    )
     other = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error=policy, prefix="o:")
     CORRUPTIONS[corruption](redis_client, "bucketlimit:{k}:k")
     for _ in range(5):
@@ -543,7 +569,9 @@ def test_a_corrupt_bucket_is_never_admitted(
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 def test_a_corrupt_bucket_raises_under_raise(redis_client: redis.Redis, corruption: str) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error="raise")
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 3, 1, on_store_error="raise", prefix="bucketlimit:"
+    )
     CORRUPTIONS[corruption](redis_client, "bucketlimit:{k}:k")
     for _ in range(3):
         with pytest.raises(CorruptBucketError):
@@ -632,8 +660,12 @@ def test_a_live_server_that_cannot_serve_is_a_store_fault(
     redis_server_factory: ServerFactory, fault: str, error: type[Exception]
 ) -> None:
     with failing(fault, redis_server_factory) as server:
-        closed = RedisTokenBucketLimiter.from_url(server.url, 3, 1, on_store_error="closed")
-        raising = RedisTokenBucketLimiter.from_url(server.url, 3, 1, on_store_error="raise")
+        closed = RedisTokenBucketLimiter.from_url(
+            server.url, 3, 1, on_store_error="closed", prefix="bucketlimit:"
+        )
+        raising = RedisTokenBucketLimiter.from_url(
+            server.url, 3, 1, on_store_error="raise", prefix="bucketlimit:"
+        )
         with closing(closed), closing(raising):
             assert closed.allow("k") == Decision(False, 1.0, 0, 1.0, 3, True)
             assert closed.stats()["store_errors"] == 1
@@ -648,14 +680,19 @@ def test_a_live_server_that_cannot_serve_is_a_store_fault(
 # -- configuration errors: raised whatever the policy, never an allow -----------------------------
 
 
-def assert_configuration_error(limiter: RedisTokenBucketLimiter, cause: type[Exception]) -> None:
+def assert_configuration_error(
+    limiter: RedisTokenBucketLimiter, cause: type[Exception], *, checked: bool = True
+) -> None:
+    """``checked``: ``check()`` sees it too (it runs the script as a peek, which
+    writes nothing, so a user denied only writes passes it)."""
     for _ in range(2):  # every time, not once
         with pytest.raises(ConfigurationError) as raised:
             limiter.allow("k")
         assert isinstance(raised.value.__cause__, cause)
         assert "on_store_error does not apply" in str(raised.value)
-    with pytest.raises(ConfigurationError):
-        limiter.check()
+    if checked:
+        with pytest.raises(ConfigurationError):
+            limiter.check()
     stats = limiter.stats()
     assert (stats["allowed"], stats["store_errors"], stats["breaker_openings"]) == (0, 0, 0)
 
@@ -675,19 +712,26 @@ def test_credentials_and_acls_are_configuration_errors(redis_server_factory: Ser
     admin.acl_setuser(
         "other-keys", enabled=True, passwords=["+pw"], keys=["other:*"], commands=["+@all"]
     )
+    # EVALSHA allowed, but not a command the script runs: denied inside the script.
+    admin.acl_setuser(
+        "no-set", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-set"]
+    )
     cases: list[tuple[dict[str, Any], type[Exception]]] = [
         ({}, redis.AuthenticationError),  # NOAUTH
         ({"password": "wrong"}, redis.AuthenticationError),  # WRONGPASS
         ({"username": "no-scripts", "password": "pw"}, redis.exceptions.NoPermissionError),
         ({"username": "other-keys", "password": "pw"}, redis.exceptions.NoPermissionError),
+        ({"username": "no-set", "password": "pw"}, redis.ResponseError),
     ]
     for credentials, cause in cases:
         client = redis.Redis(port=server.port, retry=Retry(NoBackoff(), 0), **credentials)
-        with closing(RedisTokenBucketLimiter(client, 3, 1, on_store_error="open")) as limiter:
-            assert_configuration_error(limiter, cause)
+        with closing(
+            RedisTokenBucketLimiter(client, 3, 1, on_store_error="open", prefix="bucketlimit:")
+        ) as limiter:
+            assert_configuration_error(limiter, cause, checked="no-set" not in str(credentials))
     # The right credentials: check() passes and the limiter works.
     client = redis.Redis(port=server.port, password="secret", retry=Retry(NoBackoff(), 0))
-    with closing(RedisTokenBucketLimiter(client, 3, 1)) as limiter:
+    with closing(RedisTokenBucketLimiter(client, 3, 1, prefix="bucketlimit:")) as limiter:
         limiter.check()
         assert limiter.allow("k") == Decision(True, 0.0, 2, 1.0, 3)
     admin.close()
@@ -701,7 +745,9 @@ def test_a_server_without_scripting_is_a_configuration_error(
     rename = ["--rename-command", "EVALSHA", "", "--rename-command", "EVAL", ""]
     server = redis_server_factory.start(extra_args=rename)
     with closing(
-        RedisTokenBucketLimiter.from_url(server.url, 3, 1, on_store_error="open")
+        RedisTokenBucketLimiter.from_url(
+            server.url, 3, 1, on_store_error="open", prefix="bucketlimit:"
+        )
     ) as limiter:
         assert_configuration_error(limiter, redis.ResponseError)
         with pytest.raises(ConfigurationError, match=r"Redis 5\.0"):
@@ -713,7 +759,9 @@ def test_a_cluster_behind_a_plain_client_is_a_configuration_error(
 ) -> None:
     first = redis_cluster.servers[0]
     client = first.client()
-    with closing(RedisTokenBucketLimiter(client, 3, 1, on_store_error="open")) as limiter:
+    with closing(
+        RedisTokenBucketLimiter(client, 3, 1, on_store_error="open", prefix="bucketlimit:")
+    ) as limiter:
         # A key of a slot another node serves: the node answers MOVED.
         key = next(
             f"k{i}" for i in range(1000) if key_slot(f"bucketlimit:{{k{i}}}:k{i}".encode()) > 5460
@@ -722,16 +770,16 @@ def test_a_cluster_behind_a_plain_client_is_a_configuration_error(
             limiter.allow(key)
         assert isinstance(raised.value.__cause__, redis.exceptions.MovedError)
     # With a RedisCluster client, check() asks one node and reads every node's version.
-    RedisTokenBucketLimiter(redis_cluster_client, 3, 1).check()
+    RedisTokenBucketLimiter(redis_cluster_client, 3, 1, prefix="bucketlimit:").check()
 
 
 def test_check_passes_on_a_healthy_server(redis_client: redis.Redis, redis_url: str) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1)
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="bucketlimit:")
     limiter.check()
     assert redis_client.dbsize() == 0, "check() writes nothing"
 
     async def main(url: str) -> None:
-        limiter = AsyncRedisTokenBucketLimiter.from_url(url, 3, 1)
+        limiter = AsyncRedisTokenBucketLimiter.from_url(url, 3, 1, prefix="bucketlimit:")
         try:
             await limiter.check()
         finally:
@@ -746,7 +794,9 @@ def test_check_passes_on_a_healthy_server(redis_client: redis.Redis, redis_url: 
 def test_ten_thousand_calls_from_a_refused_key_cost_at_most_two_commands(
     redis_client: redis.Redis,
 ) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 1, 1, per=60)  # one token a minute
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 1, 1, per=60, prefix="bucketlimit:"
+    )  # one token a minute
     assert limiter.allow("k")  # the script is loaded now
     redis_client.config_resetstat()
     first = limiter.allow("k")
@@ -761,7 +811,9 @@ def test_ten_thousand_calls_from_a_refused_key_cost_at_most_two_commands(
 
 
 def test_a_cached_refusal_ends_when_its_wait_has_passed(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 1, 5)  # a token every 0.2 s
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 1, 5, prefix="bucketlimit:"
+    )  # a token every 0.2 s
     assert limiter.allow("k")
     refused = limiter.allow("k")
     assert not refused.allowed
@@ -778,7 +830,7 @@ def test_a_cached_refusal_ends_when_its_wait_has_passed(redis_client: redis.Redi
 
 
 def test_a_cached_refusal_covers_the_same_or_a_larger_cost(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, per=60)
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, per=60, prefix="bucketlimit:")
     assert limiter.allow("k", 2)  # one token left
     assert not limiter.allow("k", 2).allowed  # refused by the store
     calls = limiter.stats()["store_calls"]
@@ -792,7 +844,7 @@ def test_a_cached_refusal_covers_the_same_or_a_larger_cost(redis_client: redis.R
 def test_this_process_giving_tokens_back_drops_the_cached_refusal(
     redis_client: redis.Redis,
 ) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 2, 1, per=60)
+    limiter = RedisTokenBucketLimiter(redis_client, 2, 1, per=60, prefix="bucketlimit:")
     assert limiter.allow("k", 2)
     assert not limiter.allow("k").allowed
     limiter.refund("k", 1)
@@ -805,8 +857,10 @@ def test_this_process_giving_tokens_back_drops_the_cached_refusal(
 def test_a_reset_by_another_process_is_seen_within_a_second(redis_client: redis.Redis) -> None:
     """The cache's one staleness: tokens given back elsewhere are seen once the
     cached refusal expires, after its wait or one second, whichever is first."""
-    limiter = RedisTokenBucketLimiter(redis_client, 1, 0)  # a quota: refused for ever
-    elsewhere = RedisTokenBucketLimiter(redis_client, 1, 0)
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 1, 0, prefix="bucketlimit:"
+    )  # a quota: refused for ever
+    elsewhere = RedisTokenBucketLimiter(redis_client, 1, 0, prefix="bucketlimit:")
     assert limiter.allow("k")
     assert not limiter.allow("k").allowed
     elsewhere.reset("k")
@@ -814,7 +868,9 @@ def test_a_reset_by_another_process_is_seen_within_a_second(redis_client: redis.
 
 
 def test_the_refusal_cache_can_be_turned_off(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 1, 1, per=60, refusal_cache=False)
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 1, 1, per=60, refusal_cache=False, prefix="bucketlimit:"
+    )
     assert limiter.allow("k")
     for _ in range(50):
         assert not limiter.allow("k").allowed

@@ -30,6 +30,15 @@ from bucketlimit.redis import allow_all as redis_allow_all
 from bucketlimit.testing import ManualClock
 from tests.support.redis_servers import RedisServer, ServerFactory
 
+#: stats() of a limiter without leases: its lease counters are 0.
+NO_LEASES = {
+    "lease_hits": 0,
+    "lease_round_trips": 0,
+    "lease_tokens": 0,
+    "lease_tokens_returned": 0,
+    "lease_tokens_expired": 0,
+}
+
 MICROS = 1_000_000
 
 
@@ -66,15 +75,17 @@ def test_same_answers_as_in_process_and_stored_as_integers(redis_client: redis.R
     local = TokenBucketLimiter(3, 1, clock)
     for _ in range(4):
         assert limiter.allow("k") == local.allow("k")
-    assert stored(redis_client, "k") == (0, 5 * MICROS)
+    assert stored(redis_client, "k", limiter.prefix) == (0, 5 * MICROS)
     clock.advance(0.5)
     assert limiter.peek("k", 2) == local.peek("k", 2)
-    assert stored(redis_client, "k") == (0, 5 * MICROS), "a peek writes nothing"
+    assert stored(redis_client, "k", limiter.prefix) == (0, 5 * MICROS), "a peek writes nothing"
     limiter.refund("k", 1)
     local.refund("k", 1)
-    assert stored(redis_client, "k") == (1_500_000, 5_500_000)
+    assert stored(redis_client, "k", limiter.prefix) == (1_500_000, 5_500_000)
     assert limiter.allow("k", 2) == local.allow("k", 2)  # refused: 1.5 tokens
-    assert stored(redis_client, "k") == (1_500_000, 5_500_000), "a refusal writes nothing"
+    assert stored(redis_client, "k", limiter.prefix) == (1_500_000, 5_500_000), (
+        "a refusal writes nothing"
+    )
     assert limiter.allow("k") == local.allow("k") == Decision(True, 0.0, 0, 2.5, 3)
     limiter.reset("k")
     local.reset("k")
@@ -103,13 +114,15 @@ def test_properties_repr_and_stats(redis_client: redis.Redis) -> None:
         "store_errors": 0,
         "fallback_decisions": 0,
         "breaker_openings": 0,
+        "breaker_open": 0,
         "refusal_cache_hits": 2,
         "lost_refunds": 0,
+        **NO_LEASES,
     }
 
 
 def test_rate_zero_is_a_quota_and_never_refills(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 2, 0)
+    limiter = RedisTokenBucketLimiter(redis_client, 2, 0, prefix="bucketlimit:")
     assert limiter.allow("q", 2)
     refused = limiter.allow("q")
     assert refused == Decision(False, math.inf, 0, math.inf, 2)
@@ -121,7 +134,7 @@ def test_server_time_is_used_without_a_clock(redis_client: redis.Redis) -> None:
     before = server_micros(redis_client)
     assert limiter.allow("k", 2)
     after = server_micros(redis_client)
-    bucket = stored(redis_client, "k")
+    bucket = stored(redis_client, "k", limiter.prefix)
     assert bucket is not None
     assert bucket[0] == 3 * MICROS
     assert before <= bucket[1] <= after
@@ -207,14 +220,14 @@ def test_bad_configuration(redis_client: redis.Redis) -> None:
 
 
 def test_beyond_lua_doubles_is_rejected_at_construction(redis_client: redis.Redis) -> None:
-    """(1 + MAX_DEBT_CAPACITIES) * capacity * unit + p must stay below 2**53: Lua
-    computes in doubles, and a bucket may owe MAX_DEBT_CAPACITIES capacities."""
+    """capacity * unit + p must stay below 2**53: Lua computes in doubles (the range
+    before reservations, again: issue 19 A1). How much a bucket may owe then
+    depends on the configuration (``max_debt``)."""
     # Rate 1: one token is 10**6 units and one µs refills 1 unit.
-    reach = 1 + bucketlimit.MAX_DEBT_CAPACITIES
-    largest = (2**53 - 1 - 1) // (reach * MICROS)
+    largest = (2**53 - 1 - 1) // MICROS
     with pytest.raises(ValueError, match=r"2\*\*53"):
         RedisTokenBucketLimiter(redis_client, largest + 1, 1)
-    with pytest.raises(bucketlimit.ConfigurationError, match="owe 1000 capacities"):
+    with pytest.raises(bucketlimit.ConfigurationError, match=r"exact only below 2\*\*53"):
         RedisTokenBucketLimiter(redis_client, largest + 1, 1)
     with pytest.raises(ValueError, match=r"2\*\*53"):
         RedisTokenBucketLimiter(redis_client, 1, 2**53)  # p alone
@@ -222,6 +235,46 @@ def test_beyond_lua_doubles_is_rejected_at_construction(redis_client: redis.Redi
     with pytest.raises(ValueError, match=r"2\*\*53"):
         RedisTokenBucketLimiter(redis_client, 10**7, 0.001)
     assert TokenBucketLimiter(10**7, 0.001).capacity == 10**7, "only Lua needs the bound"
+
+
+@pytest.mark.parametrize(
+    ("capacity", "rate", "per", "max_debt"),
+    [
+        # Refused with the thousandfold debt bound for all (issue 19 A1), accepted again:
+        (1_000_000, 1_000_000, 30 * 86400, 26 * 1_000_000),  # a monthly LLM token quota
+        (10_000_000, 10_000_000, 86400, 32 * 10_000_000),
+        (10**9, 1000, 1, 8 * 10**9),  # the "always allowed" quota
+        (3, 0.001, 3600, 832 * 3),
+        ((2**53 - 2) // MICROS, 1, 1, 0),  # the largest at 1 a second: no debt at all
+        (10, 2, 1, 1000 * 10),  # where 1,000 capacities fit: all of them
+    ],
+)
+def test_every_configuration_in_the_scripts_range_works_with_its_own_debt_bound(
+    redis_client: redis.Redis, capacity: int, rate: float, per: int, max_debt: int
+) -> None:
+    clock = ManualClock()
+    limiter = RedisTokenBucketLimiter(redis_client, capacity, rate, clock, per=per)
+    local = TokenBucketLimiter(capacity, rate, clock, per=per)
+    assert limiter.max_debt == max_debt
+    # Answering exactly as before (and as the in-process limiter) where no debt is.
+    for cost in (1, capacity // 2 or 1, capacity):
+        assert limiter.allow("k", cost) == local.allow("k", cost)
+        clock.advance(7.25)
+    # The deepest debt is the bound: a charge stops there ...
+    deepest = limiter.charge("deep", 2**64 - 1)
+    assert deepest.remaining == 0
+    assert deepest.retry_after == pytest.approx(max_debt / (rate / per), rel=1e-9)
+    # ... and a reservation beyond it is refused as one past its max_wait is, spending
+    # nothing, with retry_after the time until it would fit.
+    before = limiter.peek("deep")
+    refused = limiter.reserve("deep", 1)
+    assert not refused
+    assert refused.decision.retry_after == pytest.approx(per / rate, rel=1e-6)
+    assert limiter.peek("deep") == before  # nothing spent by the refusal
+
+
+def test_the_largest_configuration_is_exact_to_the_last_unit(redis_client: redis.Redis) -> None:
+    largest = (2**53 - 1 - 1) // MICROS
     # The largest accepted configuration is exact to the last unit.
     clock = ManualClock()
     limiter = RedisTokenBucketLimiter(redis_client, largest, 1, clock)
@@ -232,7 +285,7 @@ def test_beyond_lua_doubles_is_rejected_at_construction(redis_client: redis.Redi
     assert limiter.peek("k") == local.peek("k")
     clock.advance(1)
     assert limiter.allow("k") == local.allow("k")
-    assert stored(redis_client, "k") == (1, 1_000_001)
+    assert stored(redis_client, "k", limiter.prefix) == (1, 1_000_001)
 
 
 def test_clock_errors(redis_client: redis.Redis) -> None:
@@ -256,7 +309,9 @@ def test_clock_errors(redis_client: redis.Redis) -> None:
 )
 def test_a_corrupt_value_is_never_an_allow(redis_client: redis.Redis, value: str) -> None:
     # "raise" shows the error; the other policies refuse (test_redis_faults.py).
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error="raise")
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 3, 1, on_store_error="raise", prefix="bucketlimit:"
+    )
     other = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="other:", on_store_error="raise")
     redis_client.set("bucketlimit:{k}:k", value)
     for call in (
@@ -272,7 +327,9 @@ def test_a_corrupt_value_is_never_an_allow(redis_client: redis.Redis, value: str
 
 
 def test_a_value_of_another_type_is_never_an_allow(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error="raise")
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 3, 1, on_store_error="raise", prefix="bucketlimit:"
+    )
     redis_client.rpush("bucketlimit:{k}:k", "3000000 0")
     with pytest.raises(CorruptBucketError, match="WRONGTYPE"):
         limiter.allow("k")
@@ -282,7 +339,7 @@ def test_a_value_of_another_type_is_never_an_allow(redis_client: redis.Redis) ->
 def test_a_balance_above_capacity_reads_as_full(redis_client: redis.Redis) -> None:
     """A bucket written under a larger capacity holds at most this limiter's capacity."""
     clock = ManualClock()
-    limiter = RedisTokenBucketLimiter(redis_client, 2, 0, clock)
+    limiter = RedisTokenBucketLimiter(redis_client, 2, 0, clock, prefix="bucketlimit:")
     redis_client.set("bucketlimit:{k}:k", f"{10 * MICROS} 0")
     assert limiter.allow("k") == Decision(True, 0.0, 1, math.inf, 2)
 
@@ -290,12 +347,12 @@ def test_a_balance_above_capacity_reads_as_full(redis_client: redis.Redis) -> No
 # -- TTL: time until full, in ms rounded up, never 0; none at rate 0 ----------------
 
 
-def expiry_bracket(client: redis.Redis, call: Any, key: str) -> tuple[int, int]:
+def expiry_bracket(client: redis.Redis, call: Any, key: bytes) -> tuple[int, int]:
     """The TTL (ms) the call set, bracketed by the server's clock before and after it."""
     before = server_micros(client) // 1000
     call()
     after = server_micros(client) // 1000
-    expires_at = client.pexpiretime(f"bucketlimit:{{{key}}}:{key}")
+    expires_at = client.pexpiretime(key)  # type: ignore[arg-type]  # keys are bytes too
     assert expires_at > 0
     return expires_at - after, expires_at - before
 
@@ -303,12 +360,12 @@ def expiry_bracket(client: redis.Redis, call: Any, key: str) -> tuple[int, int]:
 def test_ttl_is_the_time_until_full_rounded_up(redis_client: redis.Redis) -> None:
     clock = ManualClock()
     limiter = RedisTokenBucketLimiter(redis_client, 10, 1, clock)
-    low, high = expiry_bracket(redis_client, lambda: limiter.allow("k", 3), "k")
+    low, high = expiry_bracket(redis_client, lambda: limiter.allow("k", 3), limiter.redis_key("k"))
     assert low <= 3000 <= high
     assert high - low <= 1000, "bracketed within a second of server time"
     # 7 tokens + 0.499999 refilled + 1 refunded: 1,500,001 µs to full, so 1,501 ms.
     clock.advance(0.499_999)
-    low, high = expiry_bracket(redis_client, lambda: limiter.refund("k", 1), "k")
+    low, high = expiry_bracket(redis_client, lambda: limiter.refund("k", 1), limiter.redis_key("k"))
     assert limiter.peek("k").reset_after == 2.500_001  # as if one more token were spent
     assert low <= 1501 <= high
 
@@ -316,13 +373,16 @@ def test_ttl_is_the_time_until_full_rounded_up(redis_client: redis.Redis) -> Non
 def test_ttl_is_never_zero(redis_client: redis.Redis) -> None:
     """One µs from full: PX 0 would be an error reply; the key expires in 1 ms."""
     clock = ManualClock()
-    limiter = RedisTokenBucketLimiter(redis_client, 2, 1, clock)
+    limiter = RedisTokenBucketLimiter(redis_client, 2, 1, clock, prefix="bucketlimit:")
     limiter.allow("k", 2)
     clock.advance(1.999_999)
     assert limiter.allow("k").reset_after == 1.000_001
     limiter.refund("k", 1)  # 1 µs to full: PX 1
-    assert limiter.peek("k").reset_after == 1.000_001  # a peek spends in its answer only
     assert redis_client.pttl("bucketlimit:{k}:k") in (-2, 0, 1), "never persistent"
+    # The TTL runs on the server's real clock: within that 1 ms the bucket is 1 µs
+    # from full, after it gone (full). Either way a peek spends in its answer only.
+    assert limiter.peek("k").reset_after in (1.000_001, 1.0)
+    assert redis_client.pttl("bucketlimit:{k}:k") in (-2, 0, 1), "a peek wrote nothing"
 
 
 def test_a_refund_to_full_deletes_the_bucket(redis_client: redis.Redis) -> None:
@@ -383,7 +443,7 @@ def test_script_flush_mid_run_costs_no_error_and_no_token(redis_client: redis.Re
             redis_client.script_flush()
         admitted += limiter.allow("k").allowed
     assert admitted == 100
-    bucket = stored(redis_client, "k")
+    bucket = stored(redis_client, "k", limiter.prefix)
     assert bucket is not None
     assert bucket[0] == 0
     assert limiter.stats()["script_loads"] == 6
@@ -392,7 +452,7 @@ def test_script_flush_mid_run_costs_no_error_and_no_token(redis_client: redis.Re
 
 def test_script_flush_under_threads(redis_server: RedisServer, redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
-    limiter = RedisTokenBucketLimiter(client, 1000, 0)
+    limiter = RedisTokenBucketLimiter(client, 1000, 0, prefix="bucketlimit:")
     admin = redis_server.client()
     results: list[int] = []
     errors: list[BaseException] = []
@@ -425,7 +485,9 @@ def test_script_flush_under_threads(redis_server: RedisServer, redis_url: str) -
 
 def test_other_errors_are_not_retried(redis_client: redis.Redis) -> None:
     """A script error other than NOSCRIPT reaches the caller after one command."""
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, on_store_error="raise")
+    limiter = RedisTokenBucketLimiter(
+        redis_client, 3, 1, on_store_error="raise", prefix="bucketlimit:"
+    )
     limiter.allow("warm")  # the script is cached now
     redis_client.config_resetstat()
     redis_client.set("bucketlimit:{k}:k", "garbage")
@@ -473,11 +535,13 @@ def test_a_timed_out_command_is_not_sent_again(
     server = redis_server_factory.start()
     if retries == 0:
         limiter = RedisTokenBucketLimiter.from_url(
-            server.url, 10, 0, timeout=0.5, on_store_error="raise"
+            server.url, 10, 0, timeout=0.5, on_store_error="raise", prefix="bucketlimit:"
         )
     else:
         client = redis.Redis(port=server.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 2))
-        limiter = RedisTokenBucketLimiter(client, 10, 0, on_store_error="raise")
+        limiter = RedisTokenBucketLimiter(
+            client, 10, 0, on_store_error="raise", prefix="bucketlimit:"
+        )
     admin = server.client()
     assert limiter.allow("k")  # loads the script
     admin.config_resetstat()
@@ -535,8 +599,10 @@ def test_async_limiter_matches_in_process(redis_url: str) -> None:
             "store_errors": 0,
             "fallback_decisions": 0,
             "breaker_openings": 0,
+            "breaker_open": 0,
             "refusal_cache_hits": 0,
             "lost_refunds": 0,
+            **NO_LEASES,
         }
 
     async def run() -> None:

@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 
 import bucketlimit
 from bucketlimit import Decision, TokenBucketLimiter
+from bucketlimit._redis.script import Script
 from bucketlimit.redis import (
     AsyncRedisTokenBucketLimiter,
     RedisTokenBucketLimiter,
-    _Script,
 )
 from bucketlimit.testing import ManualClock
 
@@ -49,7 +49,7 @@ def _pinned_source() -> str:
     return pinned
 
 
-PinnedScript = _Script(_pinned_source())
+PinnedScript = Script(_pinned_source())
 
 
 class PinnedRedisLimiter(RedisTokenBucketLimiter):
@@ -234,7 +234,7 @@ def test_tenth_of_a_second_steps_refill_exactly_one_token(redis_client: redis.Re
     """Rate 10, capacity 1, 0.1 s steps: one token per step, forever, no drift.
     The unmodified script: the manual clock outruns real time here."""
     clock = ManualClock()
-    remote = RedisTokenBucketLimiter(redis_client, 1, 10, clock)
+    remote = RedisTokenBucketLimiter(redis_client, 1, 10, clock, prefix="bucketlimit:")
     local = TokenBucketLimiter(1, 10, clock)
     for step in range(10_000):
         clock.advance(0.1)

@@ -50,7 +50,7 @@ def run_processes(target: Callable[..., Any], args: list[tuple[Any, ...]]) -> li
 
 
 def spend_one_key(url: str, calls: int) -> int:
-    limiter = RedisTokenBucketLimiter(redis.Redis.from_url(url), 1000, 0)
+    limiter = RedisTokenBucketLimiter(redis.Redis.from_url(url), 1000, 0, prefix="bucketlimit:")
     return sum(limiter.allow("shared").allowed for _ in range(calls))
 
 
@@ -117,7 +117,9 @@ def shifted_process(url: str, shift: float, key: str, calls: int) -> list[Any]:
     time.monotonic_ns = lambda: int((real_monotonic() + shift) * 1e9)
     # One token per hour: a process that trusted its own shifted clock would see
     # an hour of refill (or none) where the server sees a few milliseconds.
-    limiter = RedisTokenBucketLimiter(redis.Redis.from_url(url), 5, 1, per=3600)
+    limiter = RedisTokenBucketLimiter(
+        redis.Redis.from_url(url), 5, 1, per=3600, prefix="bucketlimit:"
+    )
     decisions = [limiter.allow(key) for _ in range(calls)]
     return [time.time() - real_time(), decisions]
 

@@ -82,12 +82,12 @@ def test_refusals_return_at_once_and_spend_nothing(
     limiter = RedisTokenBucketLimiter(redis_client, CAPACITY, RATE, prefix=prefix)
     assert limiter.reserve("deep", CAPACITY)
     assert not limiter.charge("deep", 5_000)  # 10 s of debt
-    before = redis_client.get(limiter._keys.bucket("deep"))
+    before = redis_client.get(limiter.redis_key("deep"))
     results = run_processes(refuse_without_waiting, [(redis_url, prefix, 20)] * 4)
     for slept, decisions in results:
         assert slept == [], "a refusal never sleeps"
         assert decisions == [(False, True)] * 20
-    assert redis_client.get(limiter._keys.bucket("deep")) == before, "refusals wrote nothing"
+    assert redis_client.get(limiter.redis_key("deep")) == before, "refusals wrote nothing"
 
 
 # -- requests + tokens in one atomic call, 4 processes ------------------------------

@@ -46,13 +46,13 @@ from valkey._parsers.base import BaseParser as ValkeyParser
 from bucketlimit import Decision, TokenBucketLimiter
 from bucketlimit._redis.errors import CONFIG, EXHAUSTED, FAULT, OTHER, REDIRECTED, classify
 from bucketlimit._redis.keys import key_slot
+from bucketlimit._redis.script import Script
 from bucketlimit.redis import (
     AsyncRedisTokenBucketLimiter,
     ConfigurationError,
     CorruptBucketError,
     RedisTokenBucketLimiter,
     StoreUnavailableError,
-    _Script,
     allow_all,
 )
 from bucketlimit.testing import ManualClock
@@ -133,7 +133,7 @@ def factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ServerFa
 
 # Keys live for ten minutes at least: a ManualClock stands still while the server's
 # TTLs run in real time (see test_redis_parity.py).
-PINNED = _Script(
+PINNED = Script(
     RedisTokenBucketLimiter._script.source.replace(
         "local MIN_TTL_MS = 1\n", "local MIN_TTL_MS = 600000\n"
     )
@@ -322,7 +322,7 @@ def test_a_plain_valkey_client_on_a_cluster_node_is_a_configuration_error(
     limiter = RedisTokenBucketLimiter(client, 3, 1, on_store_error="open")
     # Some of these keys live on other nodes: the node answers MOVED.
     # k1 hashes to slot 12706, which the first node does not serve: it answers MOVED.
-    assert key_slot(limiter._key("k1")) == 12706
+    assert key_slot(limiter.redis_key("k1")) == 12706
     with pytest.raises(ConfigurationError, match=r"valkey\.cluster\.ValkeyCluster"):
         limiter.allow("k1")
     client.close()
@@ -372,7 +372,7 @@ def test_our_errors_are_both_libraries_errors() -> None:
 def test_a_corrupt_bucket_through_valkey_py(store: Store) -> None:
     client = sync_client(store.library, store.server.port)
     limiter = RedisTokenBucketLimiter(client, 3, 1, on_store_error="raise")
-    client.set(limiter._key("k"), b"not a bucket")
+    client.set(limiter.redis_key("k"), b"not a bucket")
     with pytest.raises(CorruptBucketError):
         limiter.allow("k")
     client.close()

@@ -490,7 +490,11 @@ class RedisClusterNodes:
             while keys := command(src, "CLUSTER", "GETKEYSINSLOT", slot, batch):
                 command(src, "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
                 moved += len(keys)
-            for server in self.servers:
+            # The target first, then the source, then the rest (as redis-cli does): a
+            # source told first would send clients to a target that, still importing,
+            # sends them back (a redirection loop until the target is told).
+            rest = [s for s in self.servers if s is not source and s is not target]
+            for server in [target, source, *rest]:
                 client = server.client()
                 try:
                     command(client, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)

@@ -127,7 +127,7 @@ class ReferenceLimiter:
 
     # -- time and buckets ------------------------------------------------
 
-    def observe(self, now: int) -> int:
+    def observe_time(self, now: int) -> int:
         """Records a clock reading (µs) and returns the limiter's time."""
         self.time = now if self.time is None else max(self.time, now)
         return self.time
@@ -211,7 +211,7 @@ class ReferenceLimiter:
 
     def allow(self, key: str, cost: int, now: int) -> Answer:
         self.check_cost(cost)
-        now = self.observe(now)
+        now = self.observe_time(now)
         answer, _ = self.decide(self.balance_at(key, now), cost)
         if answer.allowed:
             self.spend(key, cost, now)
@@ -237,7 +237,7 @@ class ReferenceLimiter:
         line a waiter left (only refilled since), it is undone exactly; else it takes
         headroom, never above capacity."""
         self.check_cost(cost)
-        now = self.observe(now)
+        now = self.observe_time(now)
         if key not in self.buckets:
             return  # a missing bucket is full: nothing to give back
         balance, headroom = self.bucket_at(key, now)
@@ -288,7 +288,7 @@ class ReferenceLimiter:
     ) -> tuple[Answer, int | None, Line | None]:
         """:meth:`reserve`, and the line a waiter keeps for its give-back."""
         self.check_cost(cost)
-        now = self.observe(now)
+        now = self.observe_time(now)
         answer, delay, _ = self.reserve_from(self.balance_at(key, now), cost, max_wait)
         line = None
         if answer.allowed:
@@ -303,13 +303,62 @@ class ReferenceLimiter:
         """Use that happened: debt allowed, down to the bound, where it stops."""
         if cost < 1:
             raise ValueError(f"cost {cost} below 1")
-        now = self.observe(now)
+        now = self.observe_time(now)
         balance, headroom = self.bucket_at(key, now)
         after = max(self.floor, balance - cost * self.unit)
         self.store(key, after, now, min(headroom + balance - after, self.full - after))
         if after >= 0:
             return self.describe(after, True, 0)
         return self.describe(after, False, self.wait(-after))
+
+    # -- an upstream's report (docs/design.md §4, "Following the upstream") -----------
+
+    def report_cap(
+        self,
+        remaining: int,
+        limit: int | None,
+        reset_after: int | str | None,
+        retry_after: int | str | None,
+    ) -> int:
+        """The most units the bucket may hold when the report was made. Waits in µs;
+        ``None``: not said; ``"never"``: an infinite wait. Written from the rule: the
+        bucket holds at most what remains; it holds min(capacity, limit) no sooner
+        than an upstream refilling steadily from what remains to its limit over
+        ``reset_after``; during a hold it holds less than a token. Any of these
+        below the debt bound is the debt bound; at rate 0 only what remains counts."""
+        said = self.capacity if limit is None else limit
+        left = min(remaining, said)
+        bounds: list[int] = [min(left, self.capacity) * self.unit]
+        if self.p > 0:
+            level = min(self.capacity, said)
+            if reset_after is not None and left < level:
+                if reset_after == "never":
+                    bounds.append(self.floor)
+                else:
+                    assert isinstance(reset_after, int)
+                    when = Fraction((level - left) * reset_after, said - left)
+                    bounds.append(level * self.unit - self.p * math.ceil(when))
+            if retry_after == "never":
+                bounds.append(self.floor)
+            elif retry_after is not None:
+                assert isinstance(retry_after, int)
+                bounds.append(self.unit - self.p * retry_after)
+        return max(min(bounds), self.floor)
+
+    def observe(self, key: str, cap: int, at: int, now: int) -> Answer:
+        """Applies a report of ``cap`` units at ``at`` µs: the balance becomes at most
+        cap plus the refill since ``at`` (none from the future), never higher; the
+        cap line stays (the headroom grows by what was removed). The answer is the
+        bucket as it stands: allowed when it holds a token, retry_after the wait."""
+        now = self.observe_time(now)
+        balance, headroom = self.bucket_at(key, now)
+        bound = cap + self.p * max(0, now - at)
+        if bound < balance:
+            self.store(key, bound, now, min(headroom + balance - bound, self.full - bound))
+            balance = bound
+        else:
+            self.touch(key, now)
+        return self.describe(balance, balance >= self.unit, self.wait(self.unit - balance))
 
     def reset(self, key: str) -> None:
         self.buckets.pop(key, None)
@@ -385,7 +434,7 @@ def allow_all(checks: Sequence[tuple[ReferenceLimiter, str, int]], cost: int) ->
     answers: list[Answer] = []
     balances: list[int] = []
     for limiter, key, reading in checks:
-        now = limiter.observe(reading)
+        now = limiter.observe_time(reading)
         balance = limiter.balance_at(key, now)
         balances.append(balance)
         answers.append(limiter.decide(balance, cost)[0])
@@ -411,7 +460,7 @@ def reserve_all_with_lines(
     balances: list[int] = []
     delay: int | None = 0
     for limiter, key, cost, reading in checks:
-        now = limiter.observe(reading)
+        now = limiter.observe_time(reading)
         balance = limiter.balance_at(key, now)
         balances.append(balance)
         answer, own_delay, _ = limiter.reserve_from(balance, cost, max_wait)

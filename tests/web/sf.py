@@ -1,149 +1,55 @@
-"""A small parser of RFC 9651 structured-field Lists: what the tests read the
-RateLimit fields with, instead of comparing strings."""
+"""The RateLimit fields read with http-sf, an independent RFC 9651 parser checked
+against the official structured-field tests, instead of comparing strings.
+
+``ratelimit`` and ``ratelimit_policy`` add draft-11's own rules (which members and
+parameters each field has, and their types) on top of the grammar.
+"""
 
 from __future__ import annotations
 
-import base64
-import re
 from dataclasses import dataclass, field
+from typing import Any
 
-Bare = int | float | str | bytes | bool
+import http_sf
 
-
-@dataclass
-class Token:
-    value: str
+Bare = int | float | str | bytes | bool | http_sf.Token
 
 
 @dataclass
 class Item:
-    value: Bare | Token
-    params: dict[str, Bare | Token] = field(default_factory=dict)
+    value: Bare
+    params: dict[str, Bare] = field(default_factory=dict)
 
 
 class ParseError(ValueError):
     pass
 
 
-_KEY = re.compile(r"[a-z*][a-z0-9_.*-]*")
-_TOKEN = re.compile(r"[A-Za-z*][!#$%&'*+\-.^_`|~0-9A-Za-z:/]*")
-_NUMBER = re.compile(r"-?[0-9]{1,15}(\.[0-9]{1,3})?")
-_BASE64 = re.compile(r"[A-Za-z0-9+/=]*")
-
-
-class _Parser:
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.at = 0
-
-    def peek(self) -> str:
-        return self.text[self.at : self.at + 1]
-
-    def ows(self) -> None:
-        while self.peek() in (" ", "\t") and self.peek():
-            self.at += 1
-
-    def sp(self) -> None:
-        while self.peek() == " ":
-            self.at += 1
-
-    def bare(self) -> Bare | Token:
-        ch = self.peek()
-        if ch == '"':
-            return self.string()
-        if ch == ":":
-            return self.byte_sequence()
-        if ch == "?":
-            self.at += 1
-            value = self.peek()
-            if value not in ("0", "1"):
-                raise ParseError(f"bad boolean at {self.at}")
-            self.at += 1
-            return value == "1"
-        if ch == "-" or ch.isdigit():
-            match = _NUMBER.match(self.text, self.at)
-            if match is None:
-                raise ParseError(f"bad number at {self.at}: {self.text!r}")
-            self.at = match.end()
-            return float(match.group()) if match.group(1) else int(match.group())
-        match = _TOKEN.match(self.text, self.at)
-        if match is None:
-            raise ParseError(f"bad item at {self.at}: {self.text!r}")
-        self.at = match.end()
-        return Token(match.group())
-
-    def string(self) -> str:
-        self.at += 1
-        out = []
-        while True:
-            ch = self.peek()
-            if not ch:
-                raise ParseError("unterminated string")
-            self.at += 1
-            if ch == "\\":
-                nxt = self.peek()
-                if nxt not in ('"', "\\"):
-                    raise ParseError("bad escape")
-                out.append(nxt)
-                self.at += 1
-            elif ch == '"':
-                return "".join(out)
-            elif not (" " <= ch <= "~"):
-                raise ParseError(f"bad character {ch!r} in a string")
-            else:
-                out.append(ch)
-
-    def byte_sequence(self) -> bytes:
-        self.at += 1
-        end = self.text.find(":", self.at)
-        if end < 0:
-            raise ParseError("unterminated byte sequence")
-        body = self.text[self.at : end]
-        if not _BASE64.fullmatch(body):
-            raise ParseError("bad base64")
-        self.at = end + 1
-        return base64.b64decode(body, validate=True)
-
-    def params(self) -> dict[str, Bare | Token]:
-        params: dict[str, Bare | Token] = {}
-        while self.peek() == ";":
-            self.at += 1
-            self.sp()
-            match = _KEY.match(self.text, self.at)
-            if match is None:
-                raise ParseError(f"bad parameter key at {self.at}: {self.text!r}")
-            self.at = match.end()
-            value: Bare | Token = True
-            if self.peek() == "=":
-                self.at += 1
-                value = self.bare()
-            params[match.group()] = value
-        return params
-
-    def item(self) -> Item:
-        value = self.bare()
-        return Item(value, self.params())
-
-    def list(self) -> list[Item]:
-        self.sp()
-        items = []
-        while self.at < len(self.text):
-            items.append(self.item())
-            self.ows()
-            if self.at >= len(self.text):
-                break
-            if self.peek() != ",":
-                raise ParseError(f"expected ',' at {self.at}: {self.text!r}")
-            self.at += 1
-            self.ows()
-            if self.at >= len(self.text):
-                raise ParseError("trailing comma")
-        return items
-
-
 def parse_list(text: str) -> list[Item]:
     """An RFC 9651 List, or :class:`ParseError`."""
-    return _Parser(text).list()
+    try:
+        parsed: Any = http_sf.parse(text.encode("ascii"), tltype="list")
+    except (http_sf.StructuredFieldError, UnicodeEncodeError) as error:
+        raise ParseError(str(error)) from error
+    return [Item(value, dict(params)) for value, params in parsed]
+
+
+def parse_item(text: str) -> Item:
+    """An RFC 9651 Item (e.g. an Integer field), or :class:`ParseError`."""
+    try:
+        parsed: Any = http_sf.parse(text.encode("ascii"), tltype="item")
+        value, params = parsed
+    except (http_sf.StructuredFieldError, UnicodeEncodeError) as error:
+        raise ParseError(str(error)) from error
+    return Item(value, dict(params))
+
+
+def integer(text: str) -> int:
+    """A field that is one sf-Integer with no parameters (X-RateLimit-Remaining)."""
+    item = parse_item(text)
+    assert type(item.value) is int, f"not an Integer field: {text!r}"
+    assert not item.params, f"an Integer field has no parameters: {text!r}"
+    return item.value
 
 
 def _integer(value: object) -> int:

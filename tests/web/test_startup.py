@@ -1,0 +1,132 @@
+"""The store behind an app's limits is checked when the app starts (issue 19 A2):
+Flask's init_app, the ASGI middleware's lifespan start-up (FastAPI, Starlette),
+Litestar's on_startup, Django's middleware; a dead store fails the start, naming
+the limit; a live one starts; each check can be turned off."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import django
+import pytest
+from django.conf import settings
+
+if not settings.configured:
+    settings.configure(SECRET_KEY="tests", ALLOWED_HOSTS=["*"], INSTALLED_APPS=[])
+    django.setup()
+
+from django.http import HttpRequest, HttpResponse
+from django.test import Client, override_settings
+from django.urls import path
+from fastapi import FastAPI
+from flask import Flask
+from litestar import Litestar, get
+from litestar.testing import TestClient as LitestarClient
+from starlette.testclient import TestClient
+
+from bucketlimit import django as bl_django
+from bucketlimit import fastapi as bl_fastapi
+from bucketlimit import flask as bl_flask
+from bucketlimit import litestar as bl_litestar
+from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
+from bucketlimit.web import StoreCheckError
+from tests.support.redis_servers import free_port
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def dead_url() -> str:
+    return f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+
+
+def test_flask_init_app_checks_the_store(dead_url: str, redis_url: str) -> None:
+    dead = bl_flask.Limit(RedisTokenBucketLimiter.from_url(dead_url, 5, 1), name="requests")
+    with pytest.raises(StoreCheckError, match="'requests'") as failed:
+        bl_flask.RateLimit(dead, Flask(__name__))
+    assert failed.value.__cause__ is not None  # the client's own error
+    bl_flask.RateLimit(dead, Flask(__name__), check_store=False)  # starts anyway
+    live = bl_flask.Limit(RedisTokenBucketLimiter.from_url(redis_url, 5, 1), name="live")
+    app = Flask(__name__)
+    bl_flask.RateLimit(live, app)
+    app.add_url_rule("/", "index", lambda: "hi")
+    assert app.test_client().get("/").status_code == 200
+    del dead  # the live limits list forgets it: later start-ups do not ask its store
+
+
+def fastapi_app(limit: bl_fastapi.Limit, *, check_store: bool = True) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await limit.limiter.client.aclose()  # type: ignore[union-attr]
+
+    app = FastAPI(lifespan=lifespan)
+    app.add_middleware(bl_fastapi.RateLimitMiddleware, limit=limit, check_store=check_store)
+
+    @app.get("/")
+    async def index() -> str:
+        return "hi"
+
+    return app
+
+
+def test_the_asgi_middleware_checks_the_store_at_lifespan_startup(
+    dead_url: str, redis_url: str
+) -> None:
+    dead = bl_fastapi.Limit(AsyncRedisTokenBucketLimiter.from_url(dead_url, 5, 1), name="dead")
+    with pytest.raises(RuntimeError), TestClient(fastapi_app(dead)):  # startup failed
+        pass
+    with TestClient(fastapi_app(dead, check_store=False)) as client:
+        assert client.get("/").status_code == 200  # degraded, as its policy says
+    dead.limiter = AsyncRedisTokenBucketLimiter.from_url(redis_url, 5, 1)  # fixed
+    with TestClient(fastapi_app(dead)) as client:
+        assert client.get("/").status_code == 200
+
+
+def test_litestar_on_startup(dead_url: str) -> None:
+    dead = bl_litestar.Limit(AsyncRedisTokenBucketLimiter.from_url(dead_url, 5, 1), name="ls")
+
+    @get("/", middleware=[dead.middleware])
+    async def index() -> str:
+        return "hi"
+
+    app = Litestar([index], on_startup=[dead.check_store])
+    with (
+        pytest.raises(BaseException, match=r"did not answer|unhandled errors") as failed,
+        LitestarClient(app),
+    ):
+        pass
+    found: BaseException = failed.value
+    while hasattr(found, "exceptions"):  # an exception group: Litestar's task group's
+        found = found.exceptions[0]
+    assert isinstance(found, StoreCheckError)
+    assert "'ls'" in str(found)
+
+
+def hello(request: HttpRequest) -> HttpResponse:
+    return HttpResponse("hi")
+
+
+urlpatterns = [path("", hello)]
+DEAD: list[bl_django.Limit] = []
+
+
+@pytest.fixture
+def django_dead(dead_url: str) -> Iterator[None]:
+    DEAD[:] = [bl_django.Limit(RedisTokenBucketLimiter.from_url(dead_url, 5, 1), name="dj")]
+    with override_settings(
+        ROOT_URLCONF=__name__,
+        MIDDLEWARE=["bucketlimit.django.RateLimitMiddleware"],
+        BUCKETLIMIT_LIMITS=DEAD,
+    ):
+        yield
+    DEAD.clear()
+
+
+@pytest.mark.usefixtures("django_dead")
+def test_django_checks_when_it_builds_the_middleware() -> None:
+    with pytest.raises(StoreCheckError, match="'dj'"):
+        Client().get("/")  # the test client builds the handler (and its middleware) now
+    with override_settings(BUCKETLIMIT_CHECK_STORE=False):
+        assert Client().get("/").status_code == 200
