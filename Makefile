@@ -5,6 +5,8 @@ PY ?= python
 # Extensions built in place before; one built per Python version (_core.cpython-311-….so)
 # would shadow the abi3 one (_core.abi3.so) that the build writes now.
 STALE_EXTENSIONS = $(wildcard python/bucketlimit/_core.*.so)
+# Expands to nothing (and prints nothing) when there are none.
+REMOVE_STALE_EXTENSIONS = $(if $(STALE_EXTENSIONS),rm -f $(STALE_EXTENSIONS))
 
 .PHONY: help
 help: ## list the targets
@@ -13,12 +15,13 @@ help: ## list the targets
 .PHONY: install
 install: ## build the extension (release) and install the package with its dev tools
 	$(PY) -m pip install -q --upgrade pip  # --group (PEP 735 dependency groups) needs pip >= 25.1
-	rm -f $(STALE_EXTENSIONS)
+	$(REMOVE_STALE_EXTENSIONS)
+	@echo "make install: building the Rust extension in release mode (half a minute or more the first time, silent while it compiles), then the dev tools"
 	$(PY) -m pip install -q -e . --group dev
 
 .PHONY: build
 build: ## rebuild the extension in place after a Rust change
-	rm -f $(STALE_EXTENSIONS)
+	$(REMOVE_STALE_EXTENSIONS)
 	maturin develop --release --quiet
 
 .PHONY: wheel

@@ -99,6 +99,32 @@ def server_usec_per_call(
     return float(stats["cmdstat_evalsha"]["usec_per_call"])
 
 
+def sent_by(
+    client: redis.Redis, limiter: RedisTokenBucketLimiter, call: Callable[[], object]
+) -> Callable[[str], tuple[Any, ...]]:
+    """The command ``call`` sends for ``KEYS[0]`` (seen through the client's own
+    ``execute_command``, the script loaded first), as a function of the key: what
+    the limiter sends, sent raw."""
+    call()  # loads the script: the next call is the EVALSHA
+    seen: list[tuple[Any, ...]] = []
+    send = client.execute_command
+
+    def spy(*args: Any, **options: Any) -> Any:
+        seen.append(args)
+        return send(*args, **options)
+
+    client.execute_command = spy  # type: ignore[method-assign]
+    try:
+        call()
+    finally:
+        del client.execute_command
+    (argv,) = seen
+    mine = limiter.redis_key(KEYS[0])
+    assert argv[0] == "EVALSHA", argv
+    assert mine in argv, argv
+    return lambda key: tuple(limiter.redis_key(key) if a == mine else a for a in argv)
+
+
 def _own_form(template: str, capacity: int, unit: int, p: int) -> str:
     """An older bucket.lua's own form: its line marked ``config`` given the three
     numbers (that script read exactly three there), comment lines dropped."""
@@ -124,16 +150,15 @@ def main() -> None:
             client = redis.Redis(port=port, single_connection_client=True)
             limiter = RedisTokenBucketLimiter(client, CAPACITY, RATE, prefix="bench:")
             capacity, p, unit = _core.exact_units(CAPACITY, RATE)
-            assert (capacity, unit, p) == limiter._config_args
-            own = limiter._own
-            sha: str = client.script_load(own.source)
             execute = client.execute_command
+            allow_sent = sent_by(client, limiter, lambda: limiter.allow(KEYS[0]))
+            reserve_sent = sent_by(client, limiter, lambda: limiter.reserve(KEYS[0]))
 
             def allow_argv(key: str) -> tuple[Any, ...]:
-                return ("EVALSHA", sha, 1, limiter._keys.bucket(key))
+                return allow_sent(key)
 
             def reserve_argv(key: str) -> tuple[Any, ...]:
-                return ("EVALSHA", sha, 1, limiter._keys.bucket(key), 1, b"v", b"", b"")
+                return reserve_sent(key)
 
             def raw_allow(key: str) -> object:
                 return execute(*allow_argv(key))

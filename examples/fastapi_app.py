@@ -86,9 +86,9 @@ tokens = Limit(
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
     for limit in (per_client, tokens):
-        client = getattr(limit.limiter, "client", None)  # a Redis limiter's connection pool
-        if client is not None:
-            await client.aclose()
+        aclose = getattr(limit.limiter, "aclose", None)  # a Redis limiter: its connections
+        if aclose is not None:
+            await aclose()
 
 
 app = FastAPI(lifespan=lifespan)
