@@ -41,6 +41,7 @@ class Library(NamedTuple):
     asyncio: Kind
     no_backoff: type[Any]
     exceptions: ModuleType
+    node_command: type[Any]  # asyncio.cluster.PipelineCommand: one command of a node's write
 
 
 def _load(name: str, module: str, schemes: tuple[str, ...]) -> Library | None:
@@ -78,6 +79,7 @@ def _load(name: str, module: str, schemes: tuple[str, ...]) -> Library | None:
         ),
         no_backoff=mods["backoff"].NoBackoff,
         exceptions=mods["exceptions"],
+        node_command=aio_cluster.PipelineCommand,
     )
 
 

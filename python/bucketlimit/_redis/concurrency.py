@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, SupportsIndex, TypedDi
 from bucketlimit import _core
 from bucketlimit._redis import permits
 from bucketlimit._redis.clients import DEFAULT_TIMEOUT, LazyClient, client_from_url
-from bucketlimit._redis.drivers import run, run_async
-from bucketlimit._redis.flows import Command, Flow, Flowing, Part, check_wait
+from bucketlimit._redis.drivers import run, run_async, send, send_async
+from bucketlimit._redis.flows import Flow, Flowing, Part, check_wait
 from bucketlimit._redis.keys import Keys
 from bucketlimit._redis.limiter import check_client
 from bucketlimit._redis.limiter import state_of as bucket_state_of
@@ -115,7 +115,7 @@ def drive_waits(flow: permits.Waits, state: Any, waiters: Waiters) -> Any:
                 elif isinstance(step, Local):
                     got = step.call()
                 else:
-                    got = _send(state, step)
+                    got = send(state, step)
             except BaseException as raised:  # the flow decides what it means
                 flowing.feed(raised, thrown=True)
             else:
@@ -169,9 +169,9 @@ async def drive_waits_async(
                 elif isinstance(step, Local):
                     got = await step.call_async()
                 elif blocking:
-                    got = _send(state, step)
+                    got = send(state, step)
                 else:
-                    task = asyncio.ensure_future(_send_async(state, step))
+                    task = asyncio.ensure_future(send_async(state, step))
                     got = await asyncio.shield(task)
             except asyncio.CancelledError:
                 handed_on = True
@@ -188,16 +188,6 @@ async def drive_waits_async(
     if error is not None:
         raise error
     return value
-
-
-def _send(state: Any, command: Command) -> Any:
-    client = state.client if state.client is not None else state.connect()
-    return getattr(client, command.name)(*command.argv)
-
-
-async def _send_async(state: Any, command: Command) -> Any:
-    client = state.client if state.client is not None else state.connect()
-    return await getattr(client, command.name)(*command.argv)
 
 
 #: The rests of cancelled waits, held until they end (the loop keeps weak references).
@@ -231,7 +221,7 @@ def _finish_later(
                     flowing.feed(asyncio.CancelledError(), thrown=True)
                     continue
                 try:
-                    reply = _send(state, step) if blocking else await _send_async(state, step)
+                    reply = send(state, step) if blocking else await send_async(state, step)
                 except BaseException as raised:
                     flowing.feed(raised, thrown=True)
                 else:

@@ -7,6 +7,9 @@ or an error means is the flow's (``bucketlimit._redis.flows``). A flow is driven
 as a :class:`~bucketlimit._redis.flows.Flowing` (the common allow as
 ``flows.Allow``, which needs no generator), so a step costs no exception. Shared
 round trips, which drive many flows at once, are ``bucketlimit._redis.batching``.
+
+One piece of I/O is more than a call: an asyncio cluster client lost among the
+redirections of a slot being migrated is followed here (:func:`follow_asks`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ from typing import Any, TypeVar
 
 from bucketlimit._core import Decision
 from bucketlimit._redis import flows
-from bucketlimit._redis.flows import Flow, Flowing, Outcome
+from bucketlimit._redis.clients import LIBRARIES
+from bucketlimit._redis.errors import (
+    REDIRECTED,
+    AskError,
+    ClusterError,
+    MovedError,
+    TryAgainError,
+    classify,
+)
+from bucketlimit._redis.flows import Command, Flow, Flowing, Outcome
 from bucketlimit._redis.state import LimiterState, Store
 
 T = TypeVar("T")
@@ -27,8 +39,7 @@ def drive(flowing: Flowing, state: Store) -> Outcome:
     client and feeds it the reply or the error, until it has its outcome."""
     while (command := flowing.command) is not None:
         try:
-            client = state.client if state.client is not None else state.connect()
-            reply = getattr(client, command.name)(*command.argv)
+            reply = send(state, command)
         except BaseException as error:  # the flow decides what a failure means
             flowing.feed(error, thrown=True)
         else:
@@ -45,13 +56,84 @@ async def drive_async(flowing: Flowing, state: Store) -> Outcome:
         await asyncio.sleep(0)
     while (command := flowing.command) is not None:
         try:
-            client = state.client if state.client is not None else state.connect()
-            reply = await getattr(client, command.name)(*command.argv)
+            reply = await send_async(state, command)
         except BaseException as error:  # CancelledError too: the flow counts it
             flowing.feed(error, thrown=True)
         else:
             flowing.feed(reply, thrown=False)
     return flowing.outcome
+
+
+def send(state: Store, command: Command) -> Any:
+    """``command`` sent on the state's client (connected on first use)."""
+    client = state.client if state.client is not None else state.connect()
+    return getattr(client, command.name)(*command.argv)
+
+
+async def send_async(state: Store, command: Command) -> Any:
+    """``command`` awaited on the state's asyncio client; a redirection storm of a
+    cluster client is followed once more here (:func:`follow_asks`)."""
+    client = state.client if state.client is not None else state.connect()
+    try:
+        return await getattr(client, command.name)(*command.argv)
+    except ClusterError as storm:
+        if command.name != "execute_command" or not command.keys or classify(storm) != REDIRECTED:
+            raise
+        return await follow_asks(client, command.argv, command.keys[0], storm)
+
+
+#: As many sends as the cluster clients' own ``RedisClusterRequestTTL``.
+REDIRECTS = 16
+
+
+async def follow_asks(client: Any, argv: tuple[Any, ...], key: bytes, storm: BaseException) -> Any:
+    """The reply to ``argv`` (a command naming ``key``, which its asyncio cluster
+    ``client`` gave up on with ``storm``: "TTL exhausted."), following MOVED and ASK
+    here, or ``storm`` raised again if they do not settle (docs/design.md §6).
+
+    redis-py's and valkey-py's asyncio cluster clients send the ``ASKING`` an ASK
+    calls for on one pooled connection of the target node and the command on
+    another: the pool hands out its oldest free connection, so whenever the target
+    has two free, it never sees the two together, answers MOVED back to the source,
+    which answers ASK again, until the client gives up. Nothing has run, so the
+    command may go again: here ``ASKING`` and it go in one write on one connection
+    (the node's ``execute_pipeline``). A TRYAGAIN (keys of one command that the
+    migration has split between the nodes) is not waited on: ``storm`` is raised,
+    and a batch is split by its caller."""
+    library = next(lib for lib in LIBRARIES if isinstance(client, lib.asyncio.cluster))
+    node, asked = client.get_node_from_key(key), None
+    for _ in range(REDIRECTS):
+        try:
+            if asked is not None:
+                return await sent_asking(library.node_command, asked, argv)
+            if node is None:  # a node the client does not know (yet)
+                break
+            return await node.execute_command(*argv)
+        except MovedError as moved:
+            node, asked = named(client, moved), None
+        except AskError as ask:
+            asked = named(client, ask)
+            if asked is None:
+                break
+        except TryAgainError:
+            break
+    raise storm
+
+
+def named(client: Any, redirection: Any) -> Any:
+    """The node a MOVED or ASK names, or ``None`` when the client does not know it."""
+    return client.get_node(host=redirection.host, port=redirection.port)
+
+
+async def sent_asking(node_command: type[Any], node: Any, argv: tuple[Any, ...]) -> Any:
+    """The reply to ``argv`` sent to ``node`` right after ``ASKING``, the two in one
+    write on one of its connections; an error reply raised."""
+    asking, command = node_command(0, "ASKING"), node_command(1, *argv)
+    await node.execute_pipeline([asking, command])
+    for sent in (asking, command):
+        if isinstance(sent.result, BaseException):
+            raise sent.result
+    return command.result
 
 
 def answer(outcome: Outcome) -> Any:

@@ -43,6 +43,7 @@ ClusterError: Final = errors("ClusterError")
 ExternalAuthProviderError: Final = errors("ExternalAuthProviderError")  # redis-py only
 InvalidResponse: Final = errors("InvalidResponse")
 MaxConnectionsError: Final = errors("MaxConnectionsError")
+MovedError: Final = errors("MovedError")
 NoPermissionError: Final = errors("NoPermissionError")
 NoScriptError: Final = errors("NoScriptError")
 OutOfMemoryError: Final = errors("OutOfMemoryError")
