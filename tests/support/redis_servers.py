@@ -406,13 +406,17 @@ class RedisClusterNodes:
                 _start(server)
         clients = [server.client() for server in self.servers]
         try:
-            # Slots split as redis-cli --cluster create does, then every node meets the first.
+            # Slots split as redis-cli --cluster create does, then every node meets every
+            # other: met only by the first, the others learn of each other by gossip, which
+            # on a loaded machine once took more than READY_TIMEOUT (a CI run: one node
+            # still knew 2 of the 3 after 20 s).
             bounds = [0, 5461, 10923, CLUSTER_SLOTS]
             for i, client in enumerate(clients):
                 command(client, "CLUSTER", "ADDSLOTS", *range(bounds[i], bounds[i + 1]))
                 command(client, "CLUSTER", "SET-CONFIG-EPOCH", i + 1)
-            for server in self.servers[1:]:
-                command(clients[0], "CLUSTER", "MEET", "127.0.0.1", server.port)
+            for i, client in enumerate(clients):
+                for server in self.servers[i + 1 :]:
+                    command(client, "CLUSTER", "MEET", "127.0.0.1", server.port)
             self._wait_until_ok(clients)
         finally:
             for client in clients:
