@@ -84,7 +84,7 @@ def test_a_store_that_is_down_is_loud_without_any_logging_configured(
     # processes are not known yet), and its end: all on stderr.
     assert "the store failed (ConnectionError" in stderr
     assert "this process's share of each bucket: 10 of 10 tokens" in stderr
-    assert "assuming 1 process: the store has not answered yet" in stderr
+    assert "assuming 1 process: the store has not counted the processes" in stderr
     assert "the store answers again after" in stderr
 
 

@@ -156,7 +156,7 @@ class Processes:
     :data:`HEARTBEAT_INTERVAL` seconds (the first time after it has shared the
     limit that long) and counts for :data:`PROCESS_TTL` seconds after, and the
     store answers how many count now (docs/design.md §6, "How many processes").
-    Until the store has answered once, one process is assumed.
+    Until the store has answered the first heartbeat, one process is assumed.
     """
 
     def __init__(self, fixed: int | None) -> None:
@@ -204,8 +204,9 @@ class Processes:
                 "processes sharing the limit (pass processes=N to fix the number)"
             )
         return (
-            "assuming 1 process: the store has not answered yet, so the processes "
-            "sharing the limit are not known (pass processes=N to fix the number)"
+            "assuming 1 process: the store has not counted the processes sharing "
+            "the limit yet (the first heartbeat goes 10 s after the limiter is built; "
+            "pass processes=N to fix the number)"
         )
 
 
