@@ -58,6 +58,7 @@ from bucketlimit._web.limiters import (
     Limiter,
     SyncLimiter,
     is_concurrency_limiter,
+    is_limiter,
 )
 from bucketlimit._web.limits import (
     Concurrency,
@@ -73,7 +74,6 @@ from bucketlimit._web.limits import (
     PlanFunc,
     RefusalHook,
     RequestLimits,
-    is_limiter,
     live_limits,
     run,
     run_async,

@@ -68,6 +68,11 @@ class ConcurrencyLimiterLike(Protocol):
     def acquire(self, key: str, *, timeout: float | None = None) -> Any: ...
 
 
+def is_limiter(candidate: object) -> bool:
+    """True for a limiter (it has allow, peek and refund), false for a plan function."""
+    return all(callable(getattr(candidate, m, None)) for m in ("allow", "peek", "refund"))
+
+
 def is_concurrency_limiter(candidate: object) -> bool:
     """True for a concurrency limiter (it has try_acquire and acquire), which a
     ``Limit`` takes as ``concurrency=`` (or in place of its limiter)."""

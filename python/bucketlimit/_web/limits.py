@@ -1,6 +1,8 @@
-"""One limit's settings, counters and shadow logging (``LimitSettings``), and the
-limits applied to one request (``RequestLimits``): several limits on one route
-become one field with several members, never repeated fields."""
+"""One limit's settings, counters and shadow logging (``LimitSettings``), the
+limits applied to one request (``RequestLimits``: several limits on one route
+become one field with several members, never repeated fields), and the two
+drivers of the request procedure (``run``, ``run_async``), which is in
+:mod:`bucketlimit._web.procedure`."""
 
 from __future__ import annotations
 
@@ -12,13 +14,12 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, cast
 
 from bucketlimit import _config, _errors
 from bucketlimit._core import ConcurrencyLimiter, Decision
-from bucketlimit._reservations import AsyncReservationLike, ReservationLike
 from bucketlimit._web import profiles
 from bucketlimit._web.fields import (
     Applied,
@@ -31,9 +32,15 @@ from bucketlimit._web.fields import (
     retry_after_seconds,
     window_seconds,
 )
-from bucketlimit._web.limiters import AnyLimiter, ConcurrencyLimiterLike, is_concurrency_limiter
+from bucketlimit._web.limiters import (
+    AnyLimiter,
+    ConcurrencyLimiterLike,
+    is_concurrency_limiter,
+    is_limiter,
+)
+from bucketlimit._web.procedure import H, Procedure, apply_limit
 from bucketlimit._web.reservations import AsyncReservation, Reservation
-from bucketlimit._web.waiting import ClientDisconnected, Waiting, permit_waiting, token_waiting
+from bucketlimit._web.waiting import ClientDisconnected, Waiting
 
 logger = logging.getLogger("bucketlimit")
 
@@ -56,13 +63,7 @@ class LimitStringError(ValueError, TypeError):
 
 
 R = TypeVar("R")  # the framework's request type
-H = TypeVar("H", Reservation, AsyncReservation)  # the adapter's kind of reservation
 T = TypeVar("T")
-
-#: A call the procedure needs answered: a function and its arguments.
-Step = tuple[Callable[..., Any], tuple[Any, ...]]
-#: An adapter's procedure: yields steps, is sent their answers, returns its result.
-Procedure = Generator[Step, Any, T]
 
 #: A key function: the request's bucket key (or an awaitable of it, in an async app).
 KeyFunc = Callable[[R], "str | Awaitable[str]"]
@@ -140,6 +141,19 @@ if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
         concurrency: Concurrency | None
 
 
+def _check_functions(cost: object, exempt: object, on_refusal: object) -> None:
+    """A limit's cost (an int or a function of the request) and its other functions."""
+    if not callable(cost):
+        if isinstance(cost, bool) or not isinstance(cost, int):
+            raise TypeError(f"cost must be an int or a function of the request, got {cost!r}")
+        if cost < 1:
+            raise ValueError(f"cost must be >= 1, got {cost}")
+    if exempt is not None and not callable(exempt):
+        raise TypeError(f"exempt must be a predicate of the request, got {exempt!r}")
+    if on_refusal is not None and not callable(on_refusal):
+        raise TypeError(f"on_refusal must be a function (request, refusal), got {on_refusal!r}")
+
+
 def _check_max_wait(max_wait: float) -> float:
     if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)):
         raise TypeError(f"max_wait must be a number of seconds, got {max_wait!r}")
@@ -172,11 +186,6 @@ def _check_concurrency(concurrency: object) -> ConcurrencyLimiterLike:
     return cast(ConcurrencyLimiterLike, concurrency)
 
 
-def is_limiter(candidate: object) -> bool:
-    """True for a limiter (it has allow, peek and refund), false for a plan function."""
-    return all(callable(getattr(candidate, m, None)) for m in ("allow", "peek", "refund"))
-
-
 def _check_pk(pk: bool | bytes) -> bytes | None:
     if pk is True:
         return secrets.token_bytes(32)
@@ -187,27 +196,6 @@ def _check_pk(pk: bool | bytes) -> bytes | None:
     if isinstance(pk, bytes):
         raise ValueError(f"pk must be a secret of at least 16 bytes, got {len(pk)}")
     raise TypeError(f"pk must be True, False or a secret (bytes), got {type(pk).__name__}")
-
-
-def can_never_pass(cost: int, limiter: AnyLimiter) -> bool:
-    """A cost above the capacity: refused for good (413), not a server error.
-
-    The cost often comes from the client (the tokens it asks for), so a request
-    larger than the whole bucket is the client's problem, rather than the
-    ``ValueError`` the limiter raises.
-    """
-    return isinstance(cost, int) and not isinstance(cost, bool) and cost > limiter.capacity
-
-
-def never(full: Decision) -> Decision:
-    """A refusal for a cost above the capacity, built on the bucket's real state.
-
-    ``full`` is ``peek(key, capacity)``: refused unless the bucket is full, and a
-    refusal reports the balance and time to full as they are (nothing spent).
-    """
-    if full.allowed:
-        return Decision(False, math.inf, full.limit, 0.0, full.limit)
-    return Decision(False, math.inf, full.remaining, full.reset_after, full.limit)
 
 
 class LimitSettings(Generic[R]):
@@ -281,21 +269,12 @@ class LimitSettings(Generic[R]):
             key = type(self).default_key
         if not callable(key):
             raise TypeError(f"key must be a function of the request, got {key!r}")
-        if not callable(cost):
-            if isinstance(cost, bool) or not isinstance(cost, int):
-                raise TypeError(f"cost must be an int or a function of the request, got {cost!r}")
-            if cost < 1:
-                raise ValueError(f"cost must be >= 1, got {cost}")
-        if exempt is not None and not callable(exempt):
-            raise TypeError(f"exempt must be a predicate of the request, got {exempt!r}")
-        if on_refusal is not None and not callable(on_refusal):
-            raise TypeError(f"on_refusal must be a function (request, refusal), got {on_refusal!r}")
+        _check_functions(cost, exempt, on_refusal)
         self.headers = profiles.check_headers(headers)
         self._lock = threading.Lock()
         # A limit string whose storage is the app's: built when the limit first decides.
         self._pending: str | None = None
         self._limiter: Any = None
-        self._plan = False
         self._concurrency: ConcurrencyLimiterLike | None = None
         if is_concurrency_limiter(limiter) and not is_limiter(limiter):
             if concurrency is not None:
@@ -396,10 +375,9 @@ class LimitSettings(Generic[R]):
     @limiter.setter
     def limiter(self, limiter: AnyLimiter | PlanFunc[R] | None) -> None:
         if limiter is None and self._concurrency is not None:  # concurrency alone
-            self._limiter, self._plan, self._pending = None, False, None
+            self._limiter, self._pending = None, None
             return
-        plan = not is_limiter(limiter)
-        if not plan:
+        if is_limiter(limiter):
             self.check_limiter(cast(AnyLimiter, limiter))
             self._check_can_wait(limiter)
         elif not callable(limiter):
@@ -409,7 +387,6 @@ class LimitSettings(Generic[R]):
                 f"returning a limiter: {limiter!r}"
             )
         self._limiter = limiter
-        self._plan = plan
         self._pending = None
 
     @property
@@ -480,13 +457,6 @@ class LimitSettings(Generic[R]):
             "(a missing key would put all such requests in one shared bucket)"
         )
 
-    def applied(
-        self, decision: Decision, limiter: AnyLimiter, name: str, key: str, cost: int
-    ) -> Applied:
-        pk = None if self._pk_secret is None else partition_key(self._pk_secret, name, key)
-        rate = limiter.rate
-        return Applied(name, decision, window_seconds(limiter.capacity, rate), rate, pk, cost)
-
     def procedure(
         self,
         request: R,
@@ -494,104 +464,14 @@ class LimitSettings(Generic[R]):
         describe: Callable[[R], str],
         hold: Callable[[AnyLimiter, str, int, Decision], H],
     ) -> Procedure[tuple[H | None, bool]]:
-        """Applies this limit to ``request``: the one procedure of every adapter.
+        """Applies this limit to ``request``: the one procedure of every adapter,
+        :func:`bucketlimit._web.procedure.apply_limit` (which says what it yields and
+        returns), driven by :func:`run` or :func:`run_async`."""
+        return apply_limit(self, request, limits_of, describe, hold)
 
-        It yields each call whose answer may have to be awaited (the app's key, cost,
-        exempt and plan functions, the limiter, the refunds) as ``(function, args)``,
-        to be sent the answer: Flask and Django's sync views drive it with
-        :func:`run`, the ASGI adapters with :func:`run_async`. ``limits_of()`` is the
-        request's :class:`RequestLimits`, ``describe(request)`` says which request it
-        is in logs and errors, ``hold`` makes the adapter's kind of reservation.
-        Returns the reservation (``None`` when the request is exempt) and whether
-        to refuse (``RequestLimits.refusal()`` says how).
-        """
-        if self.exempt is not None and (yield self.exempt, (request,)):
-            return None, False
-        limits = limits_of()
-        found = limits.find(self)
-        if found is not None:  # already applied to this request (app-wide and per route)
-            return cast(H, found), False
-        where = _Where(describe, request)  # formatted only for an error or a log line
-        key = self.checked_key((yield self.key, (request,)), where)
-        cost = (yield self.cost, (request,)) if callable(self.cost) else self.cost
-        if self._pending is not None:  # a limit string: built on the app's storage
-            self._bind()
-        limiter, name = cast(AnyLimiter, self._limiter), self.name
-        if self._plan:  # a plan function: this request's limiter
-            limiter, name = self.chosen((yield cast(Step, (self._limiter, (request,)))))
-        permit: Any = None  # the request's permit (concurrency=): taken before its tokens
-        before: tuple[Applied, ...] = ()
-        if self._concurrency is not None:
-            permit = yield from self._take_permit(self._concurrency, key, limits)
-            conc = self.applied_permit(permit.decision, key)
-            if not permit and self.refuses(conc.decision, key, 1, where):
-                held = hold(limiter, key, 0, conc.decision)
-                limits.add(self, conc, held, self.headers)
-                for other in limits.others(self):  # the request did not run
-                    yield other.cancel, ()
-                return held, True
-            if permit:
-                limits.hold(permit, getattr(self._concurrency, "ttl", None))
-            else:  # a shadow limit's would-be refusal: the request goes on without one
-                permit = None
-            if limiter is None:  # concurrency alone
-                held = hold(limiter, key, 0, conc.decision)
-                held.permit = permit
-                limits.add(self, conc, held, self.headers)
-                return held, False
-            before = (conc,)
-        core: ReservationLike | AsyncReservationLike | None = None
-        if can_never_pass(cost, limiter):
-            decision = never((yield limiter.peek, (key, limiter.capacity)))
-        elif self.max_wait:  # wait for the tokens, or be refused at once (nothing spent)
-            try:
-                waited = yield token_waiting(limiter, self.max_wait), (key, cost)
-            except ClientDisconnected:  # the wait gave its tokens back; so do the others
-                if permit is not None:
-                    yield permit.release, ()
-                for other in limits.others(self):
-                    yield other.cancel, ()
-                raise
-            if not isinstance(waited, Decision):  # a reservation, to settle through
-                core, decision = waited, waited.decision
-            else:
-                decision = waited
-        else:
-            decision = yield limiter.allow, (key, cost)
-        held = hold(limiter, key, cost if decision.allowed else 0, decision)
-        held.permit = permit
-        if core is not None and decision.allowed:
-            held.settle_through(core)
-        applied = self.applied(decision, limiter, name, key, cost)
-        limits.add(self, applied, held, self.headers, before)
-        if not self.refuses(decision, key, cost, where):
-            return held, False
-        if permit is not None:  # the request does not run: its permit goes to the next
-            yield permit.release, ()
-        for other in limits.others(self):  # the request did not run: refund the others
-            yield other.cancel, ()
-        return held, True
-
-    def applied_permit(self, decision: Decision, key: str) -> Applied:
-        """The concurrency policy's member for the permit's ``decision``."""
-        name = self.concurrency_name
-        pk = None if self._pk_secret is None else partition_key(self._pk_secret, name, key)
-        return Applied.concurrent(decision, name, pk=pk)
-
-    def _take_permit(
-        self, concurrency: ConcurrencyLimiterLike, key: str, limits: RequestLimits
-    ) -> Procedure[Any]:
-        """The request's permit: ``try_acquire``, or with ``max_wait`` a wait for one in
-        arrival order (its own procedure, so that a client that disconnects while it
-        waits leaves the queue and the others give back what they hold)."""
-        if not self.max_wait:
-            return (yield concurrency.try_acquire, (key,))
-        try:
-            return (yield permit_waiting(concurrency, self.max_wait), (key,))
-        except ClientDisconnected:
-            for other in limits.others(self):
-                yield other.cancel, ()
-            raise
+    def partition_key(self, name: str, key: str) -> bytes | None:
+        """draft-11's ``pk`` of ``key`` under the policy ``name`` (``None`` without ``pk=``)."""
+        return None if self._pk_secret is None else partition_key(self._pk_secret, name, key)
 
     def refuses(self, decision: Decision, key: str, cost: int, where: object) -> bool:
         """Whether to answer 429: counts and logs a shadow limit's would-be refusal."""
@@ -610,22 +490,6 @@ class LimitSettings(Generic[R]):
             retry_after_seconds(decision),
         )
         return False
-
-
-class _Where:
-    """Which request this is, in errors and logs: ``describe(request)`` when shown."""
-
-    __slots__ = ("describe", "request")
-
-    def __init__(self, describe: Callable[[Any], str], request: object) -> None:
-        self.describe = describe
-        self.request = request
-
-    def __str__(self) -> str:
-        return self.describe(self.request)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self), spec)
 
 
 @dataclass

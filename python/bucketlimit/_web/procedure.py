@@ -1,0 +1,179 @@
+"""How one limit applies to one request: :func:`apply_limit`, the one procedure of
+every adapter, written once as a generator of steps that the drivers (``run`` and
+``run_async`` in :mod:`bucketlimit._web.limits`) answer, in sync or asyncio code.
+
+It reads the limit's settings through ``LimitSettings``' public attributes, and
+writes what it decided into the request's ``RequestLimits``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from bucketlimit._core import Decision
+from bucketlimit._reservations import AsyncReservationLike, ReservationLike
+from bucketlimit._web.fields import Applied, window_seconds
+from bucketlimit._web.limiters import AnyLimiter, ConcurrencyLimiterLike, is_limiter
+from bucketlimit._web.reservations import AsyncReservation, Reservation
+from bucketlimit._web.waiting import ClientDisconnected, permit_waiting, token_waiting
+
+if TYPE_CHECKING:
+    from bucketlimit._web.limits import LimitSettings, RequestLimits
+
+R = TypeVar("R")  # the framework's request type
+H = TypeVar("H", Reservation, AsyncReservation)  # the adapter's kind of reservation
+T = TypeVar("T")
+
+#: A call the procedure needs answered: a function and its arguments.
+Step = tuple[Callable[..., Any], tuple[Any, ...]]
+#: An adapter's procedure: yields steps, is sent their answers, returns its result.
+Procedure = Generator[Step, Any, T]
+
+
+def apply_limit(
+    limit: LimitSettings[R],
+    request: R,
+    limits_of: Callable[[], RequestLimits],
+    describe: Callable[[R], str],
+    hold: Callable[[AnyLimiter, str, int, Decision], H],
+) -> Procedure[tuple[H | None, bool]]:
+    """Applies ``limit`` to ``request`` (``LimitSettings.procedure``).
+
+    It yields each call whose answer may have to be awaited (the app's key, cost,
+    exempt and plan functions, the limiter, the refunds) as ``(function, args)``,
+    to be sent the answer: Flask and Django's sync views drive it with ``run``, the
+    ASGI adapters with ``run_async``. ``limits_of()`` is the request's
+    ``RequestLimits``, ``describe(request)`` says which request it is in logs and
+    errors, ``hold`` makes the adapter's kind of reservation. Returns the
+    reservation (``None`` when the request is exempt) and whether to refuse
+    (``RequestLimits.refusal()`` says how).
+    """
+    if limit.exempt is not None and (yield limit.exempt, (request,)):
+        return None, False
+    limits = limits_of()
+    found = limits.find(limit)
+    if found is not None:  # already applied to this request (app-wide and per route)
+        return cast(H, found), False
+    where = _Where(describe, request)  # formatted only for an error or a log line
+    key = limit.checked_key((yield limit.key, (request,)), where)
+    cost = (yield limit.cost, (request,)) if callable(limit.cost) else limit.cost
+    chosen = limit.limiter  # read once; a limit string is built on the app's storage
+    limiter, name = cast(AnyLimiter, chosen), limit.name  # None: concurrency alone
+    if chosen is not None and not is_limiter(chosen):  # a plan function: this request's
+        limiter, name = limit.chosen((yield cast(Step, (chosen, (request,)))))
+    permit: Any = None  # the request's permit (concurrency=): taken before its tokens
+    before: tuple[Applied, ...] = ()
+    concurrency = limit.concurrency
+    if concurrency is not None:
+        permit = yield from _take_permit(limit, concurrency, key, limits)
+        conc_name = limit.concurrency_name
+        conc = Applied.concurrent(
+            permit.decision, conc_name, pk=limit.partition_key(conc_name, key)
+        )
+        if not permit and limit.refuses(conc.decision, key, 1, where):
+            held = hold(limiter, key, 0, conc.decision)
+            limits.add(limit, conc, held, limit.headers)
+            for other in limits.others(limit):  # the request did not run
+                yield other.cancel, ()
+            return held, True
+        if permit:
+            limits.hold(permit, getattr(concurrency, "ttl", None))
+        else:  # a shadow limit's would-be refusal: the request goes on without one
+            permit = None
+        if limiter is None:  # concurrency alone
+            held = hold(limiter, key, 0, conc.decision)
+            held.permit = permit
+            limits.add(limit, conc, held, limit.headers)
+            return held, False
+        before = (conc,)
+    core: ReservationLike | AsyncReservationLike | None = None
+    if can_never_pass(cost, limiter):
+        decision = never((yield limiter.peek, (key, limiter.capacity)))
+    elif limit.max_wait:  # wait for the tokens, or be refused at once (nothing spent)
+        try:
+            waited = yield token_waiting(limiter, limit.max_wait), (key, cost)
+        except ClientDisconnected:  # the wait gave its tokens back; so do the others
+            if permit is not None:
+                yield permit.release, ()
+            for other in limits.others(limit):
+                yield other.cancel, ()
+            raise
+        if not isinstance(waited, Decision):  # a reservation, to settle through
+            core, decision = waited, waited.decision
+        else:
+            decision = waited
+    else:
+        decision = yield limiter.allow, (key, cost)
+    held = hold(limiter, key, cost if decision.allowed else 0, decision)
+    held.permit = permit
+    if core is not None and decision.allowed:
+        held.settle_through(core)
+    rate = limiter.rate
+    window = window_seconds(limiter.capacity, rate)
+    applied = Applied(name, decision, window, rate, limit.partition_key(name, key), cost)
+    limits.add(limit, applied, held, limit.headers, before)
+    if not limit.refuses(decision, key, cost, where):
+        return held, False
+    if permit is not None:  # the request does not run: its permit goes to the next
+        yield permit.release, ()
+    for other in limits.others(limit):  # the request did not run: refund the others
+        yield other.cancel, ()
+    return held, True
+
+
+def _take_permit(
+    limit: LimitSettings[Any],
+    concurrency: ConcurrencyLimiterLike,
+    key: str,
+    limits: RequestLimits,
+) -> Procedure[Any]:
+    """The request's permit: ``try_acquire``, or with ``max_wait`` a wait for one in
+    arrival order (its own procedure, so that a client that disconnects while it
+    waits leaves the queue and the others give back what they hold)."""
+    if not limit.max_wait:
+        return (yield concurrency.try_acquire, (key,))
+    try:
+        return (yield permit_waiting(concurrency, limit.max_wait), (key,))
+    except ClientDisconnected:
+        for other in limits.others(limit):
+            yield other.cancel, ()
+        raise
+
+
+def can_never_pass(cost: int, limiter: AnyLimiter) -> bool:
+    """A cost above the capacity: refused for good (413), not a server error.
+
+    The cost often comes from the client (the tokens it asks for), so a request
+    larger than the whole bucket is the client's problem, rather than the
+    ``ValueError`` the limiter raises.
+    """
+    return isinstance(cost, int) and not isinstance(cost, bool) and cost > limiter.capacity
+
+
+def never(full: Decision) -> Decision:
+    """A refusal for a cost above the capacity, built on the bucket's real state.
+
+    ``full`` is ``peek(key, capacity)``: refused unless the bucket is full, and a
+    refusal reports the balance and time to full as they are (nothing spent).
+    """
+    if full.allowed:
+        return Decision(False, math.inf, full.limit, 0.0, full.limit)
+    return Decision(False, math.inf, full.remaining, full.reset_after, full.limit)
+
+
+class _Where:
+    """Which request this is, in errors and logs: ``describe(request)`` when shown."""
+
+    __slots__ = ("describe", "request")
+
+    def __init__(self, describe: Callable[[Any], str], request: object) -> None:
+        self.describe = describe
+        self.request = request
+
+    def __str__(self) -> str:
+        return self.describe(self.request)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
