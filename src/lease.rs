@@ -371,6 +371,17 @@ mod tests {
         }
     }
 
+    /// A lease of `key` granted `tokens` (until `deadline`) and spent to its
+    /// last token at `now`.
+    fn spend_a_lease(ledger: &Ledger, key: &str, tokens: u64, deadline: i64, now: i64) {
+        renew(ledger, key, 1, 0);
+        ledger.grant(key, lease(tokens, 0, deadline), 1);
+        assert!(matches!(
+            ledger.take(key, tokens, now),
+            Take::Hit { remaining: 0, .. }
+        ));
+    }
+
     fn renew(ledger: &Ledger, key: &str, cost: u64, now: i64) -> (u64, u64, Option<i64>) {
         match ledger.begin(key, cost, now) {
             Begin::Renew {
@@ -503,22 +514,12 @@ mod tests {
     #[test]
     fn a_spent_lease_is_remembered_while_its_record_may_live() {
         let ledger = Ledger::new();
-        renew(&ledger, "k", 1, 0);
-        ledger.grant("k", lease(1, 0, 1_000), 1);
-        assert!(matches!(
-            ledger.take("k", 1, 10),
-            Take::Hit { remaining: 0, .. }
-        ));
+        spend_a_lease(&ledger, "k", 1, 1_000, 10);
         // Idle past `idle`, but its deadline is not `idle` behind: kept.
         assert_eq!(ledger.due(1_500, 8, 1_000), Vec::new());
         assert_eq!(ledger.drain(), vec![("k".to_owned(), 0)]);
         ledger.end("k");
-        renew(&ledger, "j", 1, 0);
-        ledger.grant("j", lease(1, 0, 1_000), 1);
-        assert!(matches!(
-            ledger.take("j", 1, 10),
-            Take::Hit { remaining: 0, .. }
-        ));
+        spend_a_lease(&ledger, "j", 1, 1_000, 10);
         ledger.due(2_500, 8, 1_000); // the record has expired by now: forgotten
         assert!(ledger.drain().iter().all(|(key, _)| key != "j"));
     }
@@ -532,12 +533,7 @@ mod tests {
         ledger.grant("b", lease(0, 0, 100), 1);
         // A lease spent to its last token is still recorded in the store: it
         // goes back too, with nothing, so that its record ends.
-        renew(&ledger, "c", 1, 0);
-        ledger.grant("c", lease(2, 0, 100), 1);
-        assert!(matches!(
-            ledger.take("c", 2, 1),
-            Take::Hit { remaining: 0, .. }
-        ));
+        spend_a_lease(&ledger, "c", 2, 100, 1);
         let mut drained = ledger.drain();
         drained.sort();
         assert_eq!(drained, vec![("a".to_owned(), 4), ("c".to_owned(), 0)]);
