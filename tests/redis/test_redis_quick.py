@@ -20,7 +20,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from bucketlimit import Decision
-from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
+from bucketlimit.redis import (
+    AsyncRedisTokenBucketLimiter,
+    RedisTokenBucketLimiter,
+    StoreUnavailableError,
+)
 from bucketlimit.testing import ManualClock
 from tests.support.redis_servers import ServerFactory, free_port
 
@@ -126,6 +130,27 @@ def test_a_store_that_fails_answers_alike(policy: Any) -> None:
         assert answer.degraded
         assert answer == general.allow("k", Cost(cost))
     assert common.stats() == general.stats()
+    dead.close()
+
+
+def test_a_skipped_store_raises_alike_under_raise() -> None:
+    # The first call fails on the store and opens the breaker; the next ones are
+    # skipped (StoreUnavailableError), which the common allow answers without a flow.
+    dead = redis.Redis(
+        host="127.0.0.1", port=free_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+    )
+    common, general = pair(dead, RedisTokenBucketLimiter, ManualClock(), on_store_error="raise")
+    for cost, error in [
+        (1, redis.ConnectionError),
+        (2, StoreUnavailableError),
+        (1, StoreUnavailableError),
+    ]:
+        with pytest.raises(error):
+            common.allow("k", cost)
+        with pytest.raises(error):
+            general.allow("k", Cost(cost))
+    assert common.stats() == general.stats()
+    assert common.stats()["fallback_decisions"] == 0
     dead.close()
 
 

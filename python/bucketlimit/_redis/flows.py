@@ -412,15 +412,12 @@ def decided(
     """The rest of :func:`decide` once its gate is known: the script, then the answer
     from the reply, or the failure policy's. ``failed``: the command was sent already
     and raised this (:class:`Allow`, the common allow, goes on here)."""
+    if gate is SKIP:
+        return by_policy(state, key, cost, Unanswered(None, 0), breaker, peek=peek)
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
         reply, sent = yield from ask(state, breaker, gate, command, failed=failed)
     except Unanswered as failure:
-        unanswered(state, failure, breaker)
-        decision = state.fallback.decide(key, cost, peek=peek)
-        state.counters.add(failure.sent, None if peek else decision.allowed)
-        return decision
+        return by_policy(state, key, cost, failure, breaker, peek=peek)
     except Corrupt as failure:
         decision = corrupt(state, failure, breaker)
         state.counters.add(failure.sent, None if peek else False)
@@ -434,6 +431,23 @@ def decided(
         elif refusals.entries:
             refusals.drop(command.keys[0])
     state.counters.add(sent, None if peek else decision.allowed)
+    return decision
+
+
+def by_policy(
+    state: LimiterState,
+    key: str,
+    cost: int,
+    failure: Unanswered,
+    breaker: Breaker,
+    *,
+    peek: bool = False,
+) -> Decision:
+    """The failure policy's answer to an allow (or peek) the store did not answer, or
+    that its breaker skipped (``failure.error`` is ``None``)."""
+    unanswered(state, failure, breaker)
+    decision = state.fallback.decide(key, cost, peek=peek)
+    state.counters.add(failure.sent, None if peek else decision.allowed)
     return decision
 
 
@@ -479,9 +493,11 @@ class Flowing:
 # refusal is remembered and no heartbeat is due, is one command and its answer from
 # the reply, exactly as `decide` would send and give them. `Allow` answers it without
 # a flow's generators, and is its own command (`argv`, `keys`, `joins`), so that the
-# common allow costs one object (benches/client_instructions.py measures it). Anything
-# else, and any error of its command, goes to `decide` / `decided`. Held to `decide`
-# by tests/redis/test_redis_quick.py.
+# common allow costs one object (benches/client_instructions.py measures it). While
+# its breaker skips the store, the same allow is the policy's answer (`by_policy`, as
+# `decided` gives it), without a flow either. Anything else, and any error of its
+# command, goes to `decide` / `decided`. Held to `decide` by
+# tests/redis/test_redis_quick.py.
 
 
 class Allow(Flowing):
@@ -505,7 +521,20 @@ class Allow(Flowing):
             and (refusals is None or not refusals.entries)
         ):
             bucket = state.keys.bucket(key)
-            if not state.breaker(bucket).open and not state.processes.pending():
+            breaker = state.breaker(bucket)
+            if breaker.open:  # an outage: between probes, the policy answers at once
+                gate = breaker.admit()
+                if gate is SKIP:
+                    self._flow, self.command = None, None
+                    try:
+                        answer = by_policy(state, key, cost, Unanswered(None, 0), breaker)
+                    except BaseException as error:  # "raise": its outcome, as a flow's
+                        self.outcome = (None, error)
+                    else:
+                        self.outcome = (answer, None)
+                    return
+                breaker.release(gate)  # a probe is due (or it closed): decide asks again
+            elif not state.processes.pending():
                 self._flow = None
                 self._started = time.monotonic() if refusals is not None else 0.0
                 args = own_args(state, ALLOW, cost)
