@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from bucketlimit._core import Decision
 from bucketlimit._reservations import AsyncReservationLike, ReservationLike
-from bucketlimit._web.fields import Applied, window_seconds
+from bucketlimit._web.fields import Applied
 from bucketlimit._web.limiters import AnyLimiter, ConcurrencyLimiterLike, is_limiter
 from bucketlimit._web.reservations import AsyncReservation, Reservation
 from bucketlimit._web.waiting import ClientDisconnected, permit_waiting, token_waiting
@@ -110,9 +110,7 @@ def apply_limit(
     held.permit = permit
     if core is not None and decision.allowed:
         held.settle_through(core)
-    rate = limiter.rate
-    window = window_seconds(limiter.capacity, rate)
-    applied = Applied(name, decision, window, rate, limit.partition_key(name, key), cost)
+    applied = Applied.of(limiter, decision, name, cost=cost, pk=limit.partition_key(name, key))
     limits.add(limit, applied, held, limit.headers, before)
     if not limit.refuses(decision, key, cost, where):
         return held, False
