@@ -10,7 +10,7 @@ REMOVE_STALE_EXTENSIONS = $(if $(STALE_EXTENSIONS),rm -f $(STALE_EXTENSIONS))
 
 .PHONY: help
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-13s %s\n", $$1, $$2}'
 
 .PHONY: install
 install: ## build the extension (release) and install the package with its dev tools
@@ -55,7 +55,17 @@ test: ## Rust tests, then the Python suite (starts its own redis-server processe
 	$(PY) -m pytest
 
 .PHONY: check
-check: lint test ## everything CI runs
+check: lint test ## lint and test: what the README's test command and CI run
+
+.PHONY: test-fast
+test-fast: ## the inner loop between edits: Rust tests and the Python tests that start no server
+	cargo test --quiet
+	$(PY) -m pytest -q -m "not redis and not servers"
+
+.PHONY: check-loaded
+check-loaded: ## the Python suite 3 times in a row while a CPU-bound process holds one core
+	$(PY) scripts/ensure_redis.py
+	$(PY) scripts/under_load.py --runs 3 -- $(PY) -m pytest -q
 
 .PHONY: bench
 bench: ## side-by-side benchmarks against other limiters; writes docs/benchmarks.md

@@ -1,4 +1,6 @@
-"""Shared test configuration: hypothesis profiles.
+"""Shared test configuration: hypothesis profiles, and the ``redis`` marker given to
+every test of tests/redis and every other test that uses a server fixture, so that
+``-m "not redis"`` leaves out the tests that need a redis-server or valkey-server.
 
 No Redis here: tests/core runs without importing a Redis client. The layers that
 need Redis (tests/redis, tests/web, tests/docs) get its fixtures from their own
@@ -9,6 +11,7 @@ more examples; the default profile keeps the suite fast.
 """
 
 import os
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -21,3 +24,26 @@ pytest.register_assert_rewrite(
 settings.register_profile("default", max_examples=60, deadline=None)
 settings.register_profile("thorough", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("BUCKETLIMIT_HYPOTHESIS", "default"))
+
+
+#: The fixtures of tests/support/redis_servers.py that start a server.
+SERVER_FIXTURES = frozenset(
+    {
+        "redis_server",
+        "redis_server_factory",
+        "redis_cluster",
+        "valkey_server",
+        "valkey_server_factory",
+    }
+)
+
+
+REDIS_TESTS = Path(__file__).parent / "redis"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(REDIS_TESTS) or SERVER_FIXTURES.intersection(
+            getattr(item, "fixturenames", ())
+        ):
+            item.add_marker(pytest.mark.redis)

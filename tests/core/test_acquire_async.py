@@ -21,6 +21,8 @@ from bucketlimit import Decision, TokenBucketLimiter, acquire_all_async
 from bucketlimit.testing import ManualClock
 from tests.support.reference import Line, ReferenceLimiter, answer_of
 
+pytestmark = pytest.mark.interpreters
+
 
 def frozen_limiter(capacity: int, rate: float) -> tuple[TokenBucketLimiter, ManualClock]:
     clock = ManualClock()

@@ -21,6 +21,8 @@ from bucketlimit import MAX_KEY_BYTES, Decision, TokenBucketLimiter, allow_all
 from bucketlimit.testing import ManualClock
 from tests.support.reference import ReferenceLimiter, answer_of, to_micros
 
+pytestmark = pytest.mark.interpreters
+
 
 class Index:
     """An integer-like object, as a numpy integer is: only ``__index__``."""

@@ -27,6 +27,8 @@ from bucketlimit import (
 )
 from bucketlimit.testing import ManualClock
 
+pytestmark = pytest.mark.interpreters
+
 
 def test_at_most_limit_per_key(manual_clock: ManualClock) -> None:
     limiter = ConcurrencyLimiter(2, ttl=10, clock=manual_clock)

@@ -31,6 +31,8 @@ from bucketlimit import (
 from bucketlimit.testing import ManualClock
 from tests.support.threads import run_threads, wait_until
 
+pytestmark = pytest.mark.interpreters
+
 
 def tokens_left(limiter: TokenBucketLimiter, key: str) -> int:
     probe = limiter.peek(key)

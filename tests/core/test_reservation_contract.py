@@ -11,6 +11,8 @@ import pytest
 from bucketlimit import ReservationLike, TokenBucketLimiter, reserve_all
 from bucketlimit.testing import ManualClock
 
+pytestmark = pytest.mark.interpreters
+
 
 def test_the_core_reservation_is_reservation_like() -> None:
     limiter = TokenBucketLimiter(2, 1, clock=ManualClock())

@@ -11,6 +11,8 @@ import bucketlimit.testing
 from bucketlimit import Decision, TokenBucketLimiter, allow_all
 from bucketlimit.testing import ManualClock
 
+pytestmark = pytest.mark.interpreters
+
 
 def outcomes(limiter: TokenBucketLimiter, key: str, calls: int, cost: int = 1) -> list[bool]:
     return [limiter.allow(key, cost).allowed for _ in range(calls)]

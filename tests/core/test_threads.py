@@ -20,6 +20,8 @@ from bucketlimit import TokenBucketLimiter, allow_all
 from bucketlimit.testing import ManualClock
 from tests.support.threads import run_threads
 
+pytestmark = pytest.mark.interpreters
+
 THREADS = 16
 CALLS = 2_000
 

@@ -44,6 +44,8 @@ from tests.redis.test_redis_parity import PinnedAsyncRedisLimiter, PinnedRedisLi
 from tests.support.redis_servers import CLUSTER_SLOTS, RedisClusterNodes, ServerFactory
 from tests.support.tcp_proxy import TcpProxy
 
+pytestmark = pytest.mark.interpreters
+
 MICROS = 1_000_000
 KEYS = ["a", "b", "c", "{a}"]
 _prefixes = itertools.count()

@@ -40,7 +40,7 @@ from bucketlimit.redis import (
 from bucketlimit.testing import ManualClock
 from tests.support.redis_servers import RedisServer, ServerFactory
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.interpreters]
 
 MICROS = 1_000_000
 #: A period long on the server's real clock: a ManualClock that stands still while

@@ -39,6 +39,8 @@ from bucketlimit.redis import (
 )
 from bucketlimit.testing import ManualClock
 
+pytestmark = pytest.mark.interpreters
+
 MICROS = 1_000_000
 
 

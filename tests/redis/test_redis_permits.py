@@ -46,6 +46,8 @@ from bucketlimit.testing import ManualClock
 from tests.support.redis_servers import RedisServer
 from tests.support.threads import run_threads, wait_until
 
+pytestmark = pytest.mark.interpreters
+
 
 def script_calls(client: redis.Redis) -> int:
     """EVALSHA and EVAL commands the server ran since its last CONFIG RESETSTAT."""

@@ -28,6 +28,8 @@ from bucketlimit.redis import (
 from bucketlimit.testing import ManualClock
 from tests.support.redis_servers import ServerFactory, free_port
 
+pytestmark = pytest.mark.interpreters
+
 _prefixes = iter(range(10**9))
 
 
