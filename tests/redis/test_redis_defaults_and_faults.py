@@ -80,11 +80,11 @@ def test_a_store_that_is_down_is_loud_without_any_logging_configured(
         child.stdin.flush()
         assert child.stdout.readline().strip() == "False"
         _, stderr = child.communicate(timeout=30)
-    # The outage's start, what answers meanwhile (this process's share, and that the
-    # processes are not known yet), and its end: all on stderr.
+    # The outage's start, what answers meanwhile (nothing: the processes sharing the
+    # limit are not counted yet, so no share can be told), and its end: all on stderr.
     assert "the store failed (ConnectionError" in stderr
-    assert "this process's share of each bucket: 10 of 10 tokens" in stderr
-    assert "assuming 1 process: the store has not counted the processes" in stderr
+    assert "calls are refused: the store has not counted the processes" in stderr
+    assert "pass processes=N" in stderr
     assert "the store answers again after" in stderr
 
 
@@ -113,34 +113,32 @@ def test_with_logging_configured_the_records_go_where_the_application_says() -> 
 WORKER = r"""
 import sys, time
 from bucketlimit.redis import RedisTokenBucketLimiter
-url, prefix = sys.argv[1:]
+url, prefix, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 limiter = RedisTokenBucketLimiter.from_url(url, 40, 0, prefix=prefix, retry_interval=60)
-# Calls for 21 s (another key): each process says it is alive every 10 s, and the
-# second round of heartbeats sees all four.
-deadline = time.monotonic() + 21
-while time.monotonic() < deadline:
-    assert not limiter.peek("other").degraded
-    time.sleep(0.05)
+assert not limiter.peek("other").degraded  # the first answered call: counted from here
+if workers:  # calls (another key) until the store's count of the processes has settled
+    deadline = time.monotonic() + 30  # a hang guard only
+    while limiter.processes != workers:
+        assert time.monotonic() < deadline, f"counted {limiter.processes} of {workers}"
+        assert not limiter.peek("other").degraded
+        time.sleep(0.05)
 print(limiter.processes, flush=True)
 sys.stdin.readline()  # the test stops the store
 print(sum(limiter.allow("k").allowed for _ in range(40)), flush=True)
 """
 
 
-@pytest.mark.timeout(90)
-def test_without_the_store_each_process_admits_its_share_of_the_live_ones(
-    redis_server_factory: ServerFactory,
-) -> None:
-    # Before: processes=1 by default, so each of 4 workers admitted the whole
-    # capacity during an outage: 40 of a limit of 10 under 4 workers (the issue), here
-    # 160 of 40. Now the store counts the live processes while it is up.
-    server = redis_server_factory.start()
+def cut_off(server: RedisServer, settle: bool) -> tuple[list[int], list[int]]:
+    """Four worker processes of one limit (capacity 40, rate 0) that the store
+    answered, cut off from it: what each counted, and what each admitted then.
+    ``settle``: they call until they have counted each other; else the store stops
+    right after each one's first answered call."""
     prefix = fresh()
     with contextlib.ExitStack() as stack:
         workers = [
             stack.enter_context(
                 subprocess.Popen(
-                    [sys.executable, "-c", WORKER, server.url, prefix],
+                    [sys.executable, "-c", WORKER, server.url, prefix, "4" if settle else "0"],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
@@ -148,15 +146,39 @@ def test_without_the_store_each_process_admits_its_share_of_the_live_ones(
             )
             for _ in range(4)
         ]
-        learned = [int(w.stdout.readline()) for w in workers if w.stdout is not None]
-        assert learned == [4, 4, 4, 4]
+        counted = [int(w.stdout.readline()) for w in workers if w.stdout is not None]
         server.stop()
         for w in workers:
             assert w.stdin is not None
             w.stdin.write("\n")
             w.stdin.flush()
         admitted = [int(w.stdout.readline()) for w in workers if w.stdout is not None]
-    assert admitted == [10, 10, 10, 10]  # 40 // 4 each: the limit, not four times it
+    return counted, admitted
+
+
+@pytest.mark.timeout(90)
+def test_without_the_store_each_process_admits_its_share_of_the_live_ones(
+    redis_server_factory: ServerFactory,
+) -> None:
+    # Before: each of 4 workers admitted the whole capacity during an outage, 160 of
+    # 40. Now the store counts the live processes while it is up.
+    counted, admitted = cut_off(redis_server_factory.start(), settle=True)
+    assert counted == [4, 4, 4, 4]
+    assert admitted == [10, 10, 10, 10], "40 // 4 each: the limit, not four times it"
+
+
+@pytest.mark.timeout(90)
+def test_processes_cut_off_before_they_have_counted_each_other_admit_nothing(
+    redis_server_factory: ServerFactory,
+) -> None:
+    # Before: a process counted itself alone until its first heartbeat, 10 s after it
+    # was built, and then only those that beat before it: four workers cut off in
+    # their first seconds admitted 160 of 40; four started together read 3, 4, 1 and 2
+    # and admitted 83 of 40. Until the count has settled no share can be told, so
+    # "local" fails closed.
+    counted, admitted = cut_off(redis_server_factory.start(), settle=False)
+    assert counted == [1, 1, 1, 1], "the count is not known after one heartbeat"
+    assert sum(admitted) == 0, f"{admitted} admitted without a share counted (limit 40)"
 
 
 def test_processes_given_are_kept_and_never_counted(redis_client: redis.Redis) -> None:
@@ -186,8 +208,13 @@ def test_a_store_refusing_the_heartbeat_says_so_once(
     )
     limiter = RedisTokenBucketLimiter(client, 40, 0, prefix=fresh())
     caplog.set_level("DEBUG", logger="bucketlimit")
-    deadline = time.monotonic() + 21  # two heartbeats are due (one every 10 s)
-    while time.monotonic() < deadline:
+
+    def heartbeats() -> int:
+        return sum("heartbeat" in r.getMessage() for r in caplog.records)
+
+    deadline = time.monotonic() + 30  # a hang guard: heartbeats go 1 s apart until counted
+    while heartbeats() < 3:
+        assert time.monotonic() < deadline, f"{heartbeats()} heartbeats refused, not 3"
         assert not limiter.peek("other").degraded  # the limit itself works
         time.sleep(0.05)
     refused = [r for r in caplog.records if "refused the heartbeat" in r.getMessage()]
@@ -196,7 +223,9 @@ def test_a_store_refusing_the_heartbeat_says_so_once(
     assert "processes=N" in refused[0].getMessage()
     assert limiter.processes == 1
     server.stop()
-    assert limiter.allow("k").degraded
+    answer = limiter.allow("k")
+    assert answer.degraded
+    assert not answer.allowed, "never counted: 'local' has no share, and fails closed"
     opened = [r for r in caplog.records if "the store failed" in r.getMessage()]
     assert len(opened) == 1
     assert "the store refused the heartbeat" in opened[0].getMessage()
@@ -300,7 +329,7 @@ def test_a_reservation_granted_without_the_store_gives_back_nowhere_else(
     admin = redis_server.client()
     client = Unplugged(port=redis_server.port)
     limiter = RedisTokenBucketLimiter(
-        client, 10, 0, prefix=fresh(), on_store_error=policy, retry_interval=0
+        client, 10, 0, prefix=fresh(), on_store_error=policy, retry_interval=0, processes=1
     )
     assert limiter.allow("k", 6).remaining == 4  # a quota: the store's bucket holds 4
     client.down = True
@@ -325,7 +354,7 @@ def test_a_web_reservation_answered_without_the_store_settles_nowhere_else(
     # Redis never spent, after every outage, in the documented LLM pattern.
     admin = redis_server.client()
     client = Unplugged(port=redis_server.port)
-    limiter = RedisTokenBucketLimiter(client, 10, 0, prefix=fresh(), retry_interval=0)
+    limiter = RedisTokenBucketLimiter(client, 10, 0, prefix=fresh(), retry_interval=0, processes=1)
     assert limiter.allow("k", 6)
     client.down = True
     held = reserve(limiter, "k", 4)  # the request's estimate, from this process's share

@@ -74,7 +74,7 @@ def command(client: RedisCluster, *args: Any) -> Any:
 def test_adversarial_keys_land_in_their_own_tags_slot(
     redis_cluster: RedisClusterNodes, redis_cluster_client: RedisCluster
 ) -> None:
-    limiter = RedisTokenBucketLimiter(redis_cluster_client, 2, 1, per=3600)
+    limiter = RedisTokenBucketLimiter(redis_cluster_client, 2, 1, per=3600, processes=1)
     for key in ADVERSARIAL:
         assert limiter.allow(key).remaining == 1
         assert limiter.allow(key).remaining == 0
@@ -180,8 +180,9 @@ def tenant(key: str) -> str:
 
 
 def test_allow_all_with_a_shared_tag(redis_cluster_client: RedisCluster) -> None:
-    users = RedisTokenBucketLimiter(redis_cluster_client, 3, 0, prefix="u:", hash_tag=tenant)
-    tenants = RedisTokenBucketLimiter(redis_cluster_client, 4, 0, prefix="t:", hash_tag=tenant)
+    options: dict[str, Any] = {"hash_tag": tenant, "processes": 1}  # no heartbeat key
+    users = RedisTokenBucketLimiter(redis_cluster_client, 3, 0, prefix="u:", **options)
+    tenants = RedisTokenBucketLimiter(redis_cluster_client, 4, 0, prefix="t:", **options)
     for name in ("acme", "globex"):
         answers = [
             bucketlimit.allow_all([(users, f"{name}/{user}"), (tenants, name)]).allowed

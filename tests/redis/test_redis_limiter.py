@@ -71,7 +71,7 @@ def server_micros(client: redis.Redis) -> int:
 
 def test_same_answers_as_in_process_and_stored_as_integers(redis_client: redis.Redis) -> None:
     clock = ManualClock(start=5)
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, clock)
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, clock, processes=1)  # no heartbeat key
     local = TokenBucketLimiter(3, 1, clock)
     for _ in range(4):
         assert limiter.allow("k") == local.allow("k")
@@ -94,7 +94,7 @@ def test_same_answers_as_in_process_and_stored_as_integers(redis_client: redis.R
 
 
 def test_properties_repr_and_stats(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 10, 100, per=60, prefix="api:")
+    limiter = RedisTokenBucketLimiter(redis_client, 10, 100, per=60, prefix="api:", processes=1)
     local = TokenBucketLimiter(10, 100, per=60)
     assert (limiter.capacity, limiter.rate, limiter.per) == (10, local.rate, 60.0)
     assert limiter.prefix == "api:"
@@ -290,7 +290,7 @@ def test_the_largest_configuration_is_exact_to_the_last_unit(redis_client: redis
 
 def test_clock_errors(redis_client: redis.Redis) -> None:
     readings: list[Any] = []
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, clock=lambda: readings.pop())
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, lambda: readings.pop(), processes=1)
     for value, error in [("1", TypeError), (math.nan, ValueError), (2**53 / MICROS, ValueError)]:
         readings.append(value)
         with pytest.raises(error):
@@ -386,7 +386,7 @@ def test_ttl_is_never_zero(redis_client: redis.Redis) -> None:
 
 
 def test_a_refund_to_full_deletes_the_bucket(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, ManualClock())
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, ManualClock(), processes=1)
     limiter.allow("k", 2)
     limiter.refund("k", 3)
     assert redis_client.dbsize() == 0
@@ -395,9 +395,9 @@ def test_a_refund_to_full_deletes_the_bucket(redis_client: redis.Redis) -> None:
 
 
 def test_every_key_written_has_a_ttl_when_rate_is_positive(redis_client: redis.Redis) -> None:
-    users = RedisTokenBucketLimiter(redis_client, 5, 1, per=60, prefix="u:")
-    tenants = RedisTokenBucketLimiter(redis_client, 50, 0.5, per=60, prefix="t:")
-    quota = RedisTokenBucketLimiter(redis_client, 5, 0, prefix="q:")
+    users = RedisTokenBucketLimiter(redis_client, 5, 1, per=60, prefix="u:", processes=1)
+    tenants = RedisTokenBucketLimiter(redis_client, 50, 0.5, per=60, prefix="t:", processes=1)
+    quota = RedisTokenBucketLimiter(redis_client, 5, 0, prefix="q:", processes=1)
     for i in range(300):
         key = f"user-{i % 37}"
         if i % 3 == 0:
@@ -421,7 +421,7 @@ def test_every_key_written_has_a_ttl_when_rate_is_positive(redis_client: redis.R
 
 def test_idle_buckets_expire_once_full(redis_client: redis.Redis) -> None:
     # 1,000 tokens a second and capacity 2: every bucket is full 2 ms after its last use.
-    limiter = RedisTokenBucketLimiter(redis_client, 2, 1000)
+    limiter = RedisTokenBucketLimiter(redis_client, 2, 1000, processes=1)  # no heartbeat key
     for i in range(200):
         limiter.allow(f"k{i}", 2)
     # Bounded polling for Redis's expiry cycle: not a timing assertion.
@@ -436,7 +436,7 @@ def test_idle_buckets_expire_once_full(redis_client: redis.Redis) -> None:
 
 def test_script_flush_mid_run_costs_no_error_and_no_token(redis_client: redis.Redis) -> None:
     # Every call goes to the store, refusals too, so that the commands can be counted.
-    limiter = RedisTokenBucketLimiter(redis_client, 100, 0, refusal_cache=False)
+    limiter = RedisTokenBucketLimiter(redis_client, 100, 0, refusal_cache=False, processes=1)
     admitted = 0
     for i in range(300):
         if i % 50 == 0:
@@ -566,8 +566,8 @@ def test_a_timed_out_command_is_not_sent_again(
 def test_async_limiter_matches_in_process(redis_url: str) -> None:
     async def main(client: redis.asyncio.Redis) -> None:
         clock = ManualClock()
-        limiter = AsyncRedisTokenBucketLimiter(client, 3, 2, clock)
-        users = AsyncRedisTokenBucketLimiter(client, 2, 0, clock, prefix="users:")
+        limiter = AsyncRedisTokenBucketLimiter(client, 3, 2, clock, processes=1)
+        users = AsyncRedisTokenBucketLimiter(client, 2, 0, clock, prefix="users:", processes=1)
         local = TokenBucketLimiter(3, 2, clock)
         local_users = TokenBucketLimiter(2, 0, clock)
         for _ in range(4):
@@ -648,7 +648,7 @@ def test_allow_all_spends_from_all_or_none(redis_client: redis.Redis) -> None:
 
 
 def test_allow_all_refuses_bad_combinations(redis_client: redis.Redis, redis_url: str) -> None:
-    a = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="a:")
+    a = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="a:", processes=1)
     a_twin = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="a:")
     other = RedisTokenBucketLimiter(redis.Redis.from_url(redis_url), 3, 1, prefix="o:")
     with pytest.raises(ValueError, match="twice"):

@@ -149,7 +149,9 @@ def _closed_port() -> int:
 
 def test_without_the_store_a_report_is_not_applied_and_the_policy_answers() -> None:
     url = f"redis://127.0.0.1:{_closed_port()}/0"
-    local = RedisTokenBucketLimiter.from_url(url, 100, 10, on_store_error="local", prefix="x:")
+    local = RedisTokenBucketLimiter.from_url(
+        url, 100, 10, on_store_error="local", prefix="x:", processes=1
+    )
     d = local.observe("org", 0)
     assert d.degraded
     assert d.allowed

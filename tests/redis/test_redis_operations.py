@@ -319,6 +319,7 @@ def test_one_nodes_outage_degrades_only_its_keys(redis_server_factory: ServerFac
             timeout=TIMEOUT,
             retry_interval=30,
             prefix="bucketlimit:",
+            processes=1,  # "local" answers from the whole capacity, counted or not
         )
     ) as limiter:
         assert [limiter.allow(key).degraded for key in keys] == [False] * 3
@@ -525,7 +526,7 @@ class TenantId(str):
 def test_a_str_subclass_is_charged_by_its_content(redis_client: redis.Redis) -> None:
     # Before: Keys called the key's own translate(), so TenantId("alice") charged
     # mallory's bucket in Redis while the in-process limiter charged alice's.
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 0, prefix="bucketlimit:")
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 0, prefix="bucketlimit:", processes=1)
     local = TokenBucketLimiter(3, 0)
     assert limiter.allow(TenantId("alice")).remaining == local.allow(TenantId("alice")).remaining
     assert limiter.peek("alice").remaining == local.peek("alice").remaining == 1
@@ -534,7 +535,12 @@ def test_a_str_subclass_is_charged_by_its_content(redis_client: redis.Redis) -> 
 
 def test_a_hash_tag_of_a_str_subclass_is_its_content(redis_client: redis.Redis) -> None:
     limiter = RedisTokenBucketLimiter(
-        redis_client, 3, 0, prefix="t:", hash_tag=lambda key: TenantId(key.split("/")[0])
+        redis_client,
+        3,
+        0,
+        prefix="t:",
+        hash_tag=lambda key: TenantId(key.split("/")[0]),
+        processes=1,  # no heartbeat key
     )
     assert limiter.allow(TenantId("acme/alice"))
     assert redis_client.keys("*") == [b"t:{acme}:acme/alice"]

@@ -245,7 +245,13 @@ def test_the_breaker_skips_the_store_then_a_probe_closes_it(
 def through_proxy(proxy: TcpProxy, policy: Policy) -> RedisConcurrencyLimiter:
     """Limit 1, ttl 1 s on the server's clock; a reply not heard within 0.5 s is lost."""
     limiter = RedisConcurrencyLimiter.from_url(
-        url_of(proxy.port), 1, ttl=TTL, timeout=0.5, on_store_error=policy, retry_interval=0.1
+        url_of(proxy.port),
+        1,
+        ttl=TTL,
+        timeout=0.5,
+        on_store_error=policy,
+        retry_interval=0.1,
+        processes=1,  # "local" holds a permit of its own, counted or not
     )
     connected(limiter)
     return limiter

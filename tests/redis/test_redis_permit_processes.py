@@ -215,7 +215,8 @@ def wait_out(url: str, timeout: float) -> tuple[int, int]:
 
     async def main() -> tuple[int, int]:
         client = redis.asyncio.Redis.from_url(url, max_connections=32)
-        limiter = AsyncRedisConcurrencyLimiter(client, 2, ttl=60, prefix="idle:")
+        # processes=1: the script calls counted are the waiters' own, no heartbeat.
+        limiter = AsyncRedisConcurrencyLimiter(client, 2, ttl=60, prefix="idle:", processes=1)
         permits = await asyncio.gather(
             *(limiter.acquire("k", timeout=timeout) for _ in range(WAITING_TASKS))
         )

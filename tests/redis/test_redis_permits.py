@@ -614,9 +614,11 @@ class Limits:
 
     def __init__(self, client: redis.Redis, inflight: int = 1, ttl: float = 30) -> None:
         self.clock, self.local_clock = ManualClock(), ManualClock()
-        self.rpm = RedisTokenBucketLimiter(client, 60, 60, per=60, clock=self.clock)
-        self.tpm = RedisTokenBucketLimiter(client, 90_000, 90_000, per=60, clock=self.clock)
-        self.inflight = RedisConcurrencyLimiter(client, inflight, ttl=ttl, clock=self.clock)
+        # One process, fixed: the commands counted are the calls' own (no heartbeat).
+        one: dict[str, Any] = {"clock": self.clock, "processes": 1}
+        self.rpm = RedisTokenBucketLimiter(client, 60, 60, per=60, **one)
+        self.tpm = RedisTokenBucketLimiter(client, 90_000, 90_000, per=60, **one)
+        self.inflight = RedisConcurrencyLimiter(client, inflight, ttl=ttl, **one)
         lc = self.local_clock
         self.local = (
             TokenBucketLimiter(60, 60, per=60, clock=lc),

@@ -107,7 +107,7 @@ def test_on_the_servers_clock_with_the_refusal_cache(redis_client: redis.Redis) 
 
 def test_a_script_lost_by_the_server_is_sent_whole_by_both(redis_client: redis.Redis) -> None:
     clock = ManualClock()
-    common, general = pair(redis_client, RedisTokenBucketLimiter, clock)
+    common, general = pair(redis_client, RedisTokenBucketLimiter, clock, processes=1)
     for i in range(6):
         redis_client.script_flush()
         answer = common.allow("k", 1 + i % 2)

@@ -150,10 +150,9 @@ def test_reserve_all_with_a_shared_tag_on_a_cluster(
 ) -> None:
     redis_cluster.flush()
     clock = ManualClock()
-    users = RedisTokenBucketLimiter(redis_cluster_client, 2, 1, clock, prefix="u:", hash_tag=tenant)
-    tenants = RedisTokenBucketLimiter(
-        redis_cluster_client, 3, 1, clock, prefix="t:", hash_tag=tenant
-    )
+    options: dict[str, Any] = {"hash_tag": tenant, "processes": 1}  # no heartbeat key
+    users = RedisTokenBucketLimiter(redis_cluster_client, 2, 1, clock, prefix="u:", **options)
+    tenants = RedisTokenBucketLimiter(redis_cluster_client, 3, 1, clock, prefix="t:", **options)
     delays = []
     for user in ["ann", "ann", "ann", "bob"]:
         reservation = bucketlimit.reserve_all([(users, f"acme/{user}", 1), (tenants, "acme", 1)])

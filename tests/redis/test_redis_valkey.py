@@ -241,11 +241,14 @@ def test_policies_against_a_dead_port(library: str) -> None:
     module = MODULES[library]
     answers = {}
     for policy in ("local", "open", "closed"):
-        limiter = RedisTokenBucketLimiter.from_url(url, 4, 1, on_store_error=policy)
+        limiter = RedisTokenBucketLimiter.from_url(url, 4, 1, on_store_error=policy, processes=1)
         answers[policy] = limiter.allow("k")
         assert answers[policy].degraded
         assert limiter.stats()["store_errors"] == 1
         assert limiter.stats()["breaker_openings"] == 1
+    uncounted = RedisTokenBucketLimiter.from_url(url, 4, 1).allow("k")
+    assert uncounted.degraded
+    assert not uncounted.allowed, "'local' with no process counted has no share: it refuses"
     assert answers["local"].allowed
     assert answers["open"].allowed
     assert not answers["closed"].allowed
@@ -272,7 +275,7 @@ def test_policies_against_a_dead_port(library: str) -> None:
 def test_a_stopped_server_then_a_restarted_one(factory: ServerFactory, library: str) -> None:
     server = factory.start()
     client = sync_client(library, server.port)
-    limiter = RedisTokenBucketLimiter(client, 3, 1, retry_interval=0)
+    limiter = RedisTokenBucketLimiter(client, 3, 1, retry_interval=0, processes=1)
     assert limiter.allow("k") == Decision(True, 0.0, 2, 1.0, 3)
     server.stop()
     answer = limiter.allow("k")

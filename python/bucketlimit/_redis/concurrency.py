@@ -575,8 +575,11 @@ class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
 
     def close(self) -> None:
         """Stops the wake-up listener and closes the client :meth:`from_url` built
-        (a client you gave it stays yours). Also ``with limiter:``."""
+        (a client you gave it stays yours), once the commands other threads sent
+        have landed; a waiter still waiting gets a ``RuntimeError`` at its next
+        question (its place lapses). Also ``with limiter:``."""
         self._state.wakeups.stop()
+        self._state.land()
         if self._owned is not None and self._owned.built:
             self._owned.get().close()
 
@@ -628,6 +631,7 @@ class AsyncRedisConcurrencyLimiter(RedisConcurrency[AsyncClient]):
         """Stops the wake-up listener and closes the client :meth:`from_url` built.
         Also ``async with limiter:``."""
         self._state.wakeups.stop()
+        await self._state.land_async()
         if self._owned is not None and self._owned.built:
             await self._owned.get().aclose()
 

@@ -65,21 +65,44 @@ async def drive_async(flowing: Flowing, state: Store) -> Outcome:
 
 
 def send(state: Store, command: Command) -> Any:
-    """``command`` sent on the state's client (connected on first use)."""
-    client = state.client if state.client is not None else state.connect()
-    return getattr(client, command.name)(*command.argv)
+    """``command`` sent on the state's client (connected on first use). While it is
+    on its way it is in ``state.flying``, so that ``close()`` lets it land; once the
+    limiter is closed nothing is sent (a ``RuntimeError``). The command is added
+    before ``closed`` is read: ``close()`` sets ``closed``, then waits for the set
+    to empty, so no command slips between the two."""
+    flying = state.flying
+    flying.add(command)
+    try:
+        if state.closed:
+            raise RuntimeError(state.closing())
+        client = state.client if state.client is not None else state.connect()
+        return getattr(client, command.name)(*command.argv)
+    finally:
+        flying.discard(command)
 
 
 async def send_async(state: Store, command: Command) -> Any:
-    """``command`` awaited on the state's asyncio client; a redirection storm of a
-    cluster client is followed once more here (:func:`follow_asks`)."""
-    client = state.client if state.client is not None else state.connect()
+    """``command`` awaited on the state's asyncio client (in ``state.flying`` while on
+    its way, as :func:`send`); a redirection storm of a cluster client is followed
+    once more here (:func:`follow_asks`)."""
+    flying = state.flying
+    flying.add(command)
     try:
-        return await getattr(client, command.name)(*command.argv)
-    except ClusterError as storm:
-        if command.name != "execute_command" or not command.keys or classify(storm) != REDIRECTED:
-            raise
-        return await follow_asks(client, command.argv, command.keys[0], storm)
+        if state.closed:
+            raise RuntimeError(state.closing())
+        client = state.client if state.client is not None else state.connect()
+        try:
+            return await getattr(client, command.name)(*command.argv)
+        except ClusterError as storm:
+            if (
+                command.name != "execute_command"
+                or not command.keys
+                or classify(storm) != REDIRECTED
+            ):
+                raise
+            return await follow_asks(client, command.argv, command.keys[0], storm)
+    finally:
+        flying.discard(command)
 
 
 #: As many sends as the cluster clients' own ``RedisClusterRequestTTL``.

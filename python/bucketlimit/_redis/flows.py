@@ -45,7 +45,6 @@ from bucketlimit._redis.errors import (
 from bucketlimit._redis.keys import check_one_slot
 from bucketlimit._redis.resilience import (
     CLOSED,
-    LOCAL,
     PROCESS_TTL,
     RAISE,
     SKIP,
@@ -67,7 +66,7 @@ from bucketlimit._redis.script import (
     Mode,
     Script,
 )
-from bucketlimit._redis.state import Counting, LimiterState, Store
+from bucketlimit._redis.state import LimiterState, Store
 
 logger = logging.getLogger("bucketlimit")
 
@@ -892,7 +891,7 @@ def reserved_without_store(parts: Sequence[Part], max_wait: int | None) -> Reser
     process, degraded; its cancel and settle act there)."""
     lines: list[Line | None] = [None] * len(parts)
     for state, _, _ in parts:
-        if state.policy == CLOSED:
+        if state.fallback.policy == CLOSED:
             refusal = state.fallback.refusal()
             return Reserved(refusal, refusal.retry_after, lines, stored=False)
     local = [
@@ -988,7 +987,7 @@ def allowed_without_store(parts: Sequence[Part]) -> Decision:
     smallest of their shares, as in ``allow_all``; checks with costs of their own
     are each charged at most their limiter's share."""
     for state, _, _ in parts:
-        if state.policy == CLOSED:
+        if state.fallback.policy == CLOSED:
             return state.fallback.refusal()
     local = [
         (state.fallback.local, key, min(cost, state.fallback.share))
@@ -999,7 +998,7 @@ def allowed_without_store(parts: Sequence[Part]) -> Decision:
         return parts[0][0].fallback.decide("", 1, peek=False)  # all "open"
     costs = {cost for _, _, cost in parts}
     if len(costs) == 1:
-        shares = [state.fallback.share for state, _, _ in parts if state.policy == LOCAL]
+        shares = [s.fallback.share for s, _, _ in parts if s.fallback.local is not None]
         one = min(costs.pop(), *shares)
         local = [(fallback, key, one) for fallback, key, _ in local]
     return _core.allow_all(local)  # the local limiters answer degraded
@@ -1065,13 +1064,15 @@ def check(state: LimiterState) -> Flow[None]:
     ``ConfigurationError`` for what no retry will fix and the client's error
     otherwise; the failure policy never applies, and the breaker is not asked."""
     probe = state.keys.probe()
-    return check_store(state.counters, ScriptCommand(state.own, [probe], own_args(state, PEEK, 1)))
+    return check_store(state, ScriptCommand(state.own, [probe], own_args(state, PEEK, 1)))
 
 
-def check_store(counters: Counting, probe: ScriptCommand) -> Flow[None]:
+def check_store(state: Store, probe: ScriptCommand) -> Flow[None]:
     """What every limiter's ``check()`` does: ``probe`` (its script on a key nothing
     holds, writing nothing), then ``INFO server``, refusing a server older than 5.0
-    (an ACL forbidding INFO is ignored: the script ran, which is what counts)."""
+    (an ACL forbidding INFO is ignored: the script ran, which is what counts); then
+    the process's first heartbeat, so that a limiter checked at start-up has its
+    processes counted from then on."""
     commands = [probe, Command("info", ("server",))]
     sent = 0
     try:
@@ -1083,18 +1084,19 @@ def check_store(counters: Counting, probe: ScriptCommand) -> Flow[None]:
             except NoScriptError:
                 if not isinstance(command, ScriptCommand) or command.whole:
                     raise
-                counters.event("script_loads")
+                state.counters.event("script_loads")
                 commands.insert(0, command.sent_whole())
             except NoPermissionError:
                 if command.name != "info":
                     raise
-                return
             else:
                 if command.name == "info":
                     check_version(reply)
+        if state.processes.due():
+            sent += yield from heartbeat(state)
     except BaseException as error:
         if classify(error) == CONFIG:
             raise configuration_error(error) from error
         raise
     finally:
-        counters.add(sent)
+        state.counters.add(sent)

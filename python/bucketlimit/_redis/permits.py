@@ -339,6 +339,7 @@ class PermitState(StoreState):
 
     #: The script adds a reservation's delay and a ttl to ``now``: half the range.
     clock_bits = 52
+    fallback: PermitFallback
 
     def __init__(
         self,
@@ -373,17 +374,24 @@ class PermitState(StoreState):
         self.policy: Policy = policy
         self.retry_interval = retry_interval
         self.processes = Processes(processes)
-        self.fallback = self._fallback(self.processes.count)
+        self.fallback = self._fallback()
         self.breakers = Breakers(retry_interval, name, self.without_store)
         self.wakeups = Wakeups(keys.prefix.decode("utf-8"))
         self._warned = False
+        self.flying = set()
+        self.closed = False
+        fork_safe(self)
 
-    def _fallback(self, processes: int) -> PermitFallback:
+    def _after_fork(self) -> None:
+        self.processes.forked()
+        self.fallback = self._fallback()
+
+    def _fallback(self) -> PermitFallback:
         return PermitFallback(
-            self.policy,
+            self.answering_policy(),
             self.limit,
             self.ttl,
-            processes=processes,
+            processes=self.processes.count,
             retry_interval=self.retry_interval,
             clock=self.clock,
         )
@@ -396,8 +404,8 @@ class PermitState(StoreState):
     # -- without the store ------------------------------------------------------------
 
     def without_store(self) -> str:
-        if self.policy != LOCAL:
-            return self.fallback.description
+        if self.policy != LOCAL or not self.processes.known:
+            return self.described()
         return (
             f"{self.fallback.description}: {self.fallback.share} of {self.limit} permits, "
             f"{self.processes.describe()}"
@@ -411,7 +419,7 @@ class PermitState(StoreState):
         ):
             local = self.fallback.local
             if local is None or local.stats()["in_flight"] == 0:
-                self.fallback = self._fallback(self.processes.count)
+                self.fallback = self._fallback()
 
     # -- commands --------------------------------------------------------------------
 
@@ -786,7 +794,7 @@ def check(state: PermitState) -> Flow[None]:
     then ``INFO server`` (Redis 5.0 or later). Raises ``ConfigurationError`` for
     what no retry will fix and the client's error otherwise; the policy never
     applies."""
-    return check_store(state.counters, state.command(VALID, state.keys.probe(), member="0"))
+    return check_store(state, state.command(VALID, state.keys.probe(), member="0"))
 
 
 # -- permits among token buckets (the *_all calls) -----------------------------------
@@ -1021,7 +1029,7 @@ def all_without_store(
     with ``wait`` ``_core.acquire_all`` (its permits waited for); ``"open"``
     ones take nothing. Every answer is degraded."""
     states = [s for s, _, _ in parts] + [s for s, _ in permit_parts]
-    if any(state.policy == CLOSED for state in states):
+    if any(state.fallback.policy == CLOSED for state in states):
         return refused_all(parts, permit_parts)
     local: list[tuple[Any, ...]] = [
         (s.fallback.local, key, min(cost, s.fallback.share))

@@ -136,9 +136,13 @@ def check_policy(on_store_error: object) -> Policy:
     return cast("Policy", on_store_error)
 
 
-#: Seconds between two heartbeats of a process sharing a limiter (at most one a
-#: process and limiter per interval, sent after a call the store answered).
+#: Seconds between two heartbeats of a process sharing a limiter once its count has
+#: settled (at most one a process and limiter per interval, sent after a call the
+#: store answered).
 HEARTBEAT_INTERVAL: Final = 10.0
+#: Seconds between two heartbeats while the count has not settled: processes started
+#: together count each other within a few of these.
+SETTLE_INTERVAL: Final = 1.0
 #: Seconds a process counts as live after its last heartbeat.
 PROCESS_TTL: Final = 30.0
 
@@ -152,11 +156,15 @@ class Processes:
     """How many processes share a limiter, which sets the ``"local"`` share.
 
     ``processes=N`` fixes it. By default (``None``) it is learned from the store
-    while the store is up: each process says it is alive at most once every
-    :data:`HEARTBEAT_INTERVAL` seconds (the first time after it has shared the
-    limit that long) and counts for :data:`PROCESS_TTL` seconds after, and the
-    store answers how many count now (docs/design.md §6, "How many processes").
-    Until the store has answered the first heartbeat, one process is assumed.
+    while the store is up (docs/design.md §6, "How many processes"): a process says
+    it is alive after its first call the store answers, and the store answers how
+    many count now. The count is *known* once two heartbeats at least
+    :data:`SETTLE_INTERVAL` apart read the same number (processes started together
+    each read a different one first); heartbeats then go every
+    :data:`HEARTBEAT_INTERVAL` seconds, and a process counts for :data:`PROCESS_TTL`
+    seconds after its last. A count that grows is taken at once, one that shrinks
+    once it has settled, so the share only ever errs on the small side. Until the
+    count is known, ``"local"`` refuses (it fails closed: no share can be told).
     """
 
     def __init__(self, fixed: int | None) -> None:
@@ -165,12 +173,14 @@ class Processes:
         self.known = fixed is not None
         self.refused = False  # the store refused the heartbeat (an ACL): never counted
         self.member = _member()
-        self._next = time.monotonic() + HEARTBEAT_INTERVAL  # when the next heartbeat is due
-        fork_safe(self)
+        self._read: int | None = None  # what the last heartbeat read
+        self._next = 0.0  # time.monotonic() when the next heartbeat is due: at once
 
-    def _after_fork(self) -> None:
-        self.member = _member()  # the child is another process: it counts itself
-        self._next = time.monotonic() + HEARTBEAT_INTERVAL
+    def forked(self) -> None:
+        """In a forked child, another process: it counts itself, and is counted, anew."""
+        self.member = _member()
+        if self.fixed is None:
+            self.count, self.known, self._read, self._next = 1, False, None, 0.0
 
     def pending(self) -> bool:
         """Whether a heartbeat is due (``due`` claims it); changes nothing."""
@@ -183,14 +193,22 @@ class Processes:
         now = time.monotonic()
         if now < self._next:
             return False
-        self._next = now + HEARTBEAT_INTERVAL
+        self._next = now + (HEARTBEAT_INTERVAL if self.known else SETTLE_INTERVAL)
         return True
 
     def learned(self, count: int) -> bool:
-        """The store counted ``count`` live processes; True when the count changed."""
-        changed = count != self.count
-        self.count = max(1, count)
-        self.known = True
+        """A heartbeat read ``count`` live processes; True when the share changes."""
+        count = max(1, count)
+        settled, self._read = count == self._read, count
+        if not settled:
+            self._next = time.monotonic() + SETTLE_INTERVAL
+            if not self.known or count <= self.count:
+                return False
+            self.count = count  # more than the share counts: fewer tokens each, at once
+            return True
+        self._next = time.monotonic() + HEARTBEAT_INTERVAL
+        changed = not self.known or count != self.count
+        self.count, self.known = count, True
         return changed
 
     def describe(self) -> str:
@@ -200,13 +218,13 @@ class Processes:
             return f"with {self.count} live processes counted by the store"
         if self.refused:
             return (
-                "assuming 1 process: the store refused the heartbeat that counts the "
-                "processes sharing the limit (pass processes=N to fix the number)"
+                "the store refused the heartbeat that counts the processes sharing the "
+                "limit, so no share can be told (pass processes=N to fix the number)"
             )
         return (
-            "assuming 1 process: the store has not counted the processes sharing "
-            "the limit yet (the first heartbeat goes 10 s after the limiter is built; "
-            "pass processes=N to fix the number)"
+            "the store has not counted the processes sharing the limit yet, so no share "
+            "can be told (a process is counted from its first answered call, within a "
+            "few seconds; pass processes=N to fix the number)"
         )
 
 

@@ -10,8 +10,10 @@ over it; nothing here sends a command.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar, Final, Protocol
 
@@ -20,6 +22,7 @@ from bucketlimit._core import Decision
 from bucketlimit._redis.clients import LazyClient
 from bucketlimit._redis.keys import Keys, key_slot
 from bucketlimit._redis.resilience import (
+    CLOSED,
     LOCAL,
     Breaker,
     Fallback,
@@ -135,6 +138,14 @@ class Counting(Protocol):
     def snapshot(self) -> dict[str, int]: ...
 
 
+class Answering(Protocol):
+    """What a limiter's state says of its fallback (a token bucket's ``Fallback``, a
+    concurrency limiter's ``PermitFallback``): the policy answering, in words."""
+
+    @property
+    def description(self) -> str: ...
+
+
 class Store(Protocol):
     """What the shared steps of every flow (``flows.ask``, its heartbeat, the failure
     policy's ``unanswered``) need of a limiter's state: a token bucket's
@@ -157,7 +168,12 @@ class Store(Protocol):
     def processes(self) -> Processes: ...
     @property
     def breakers(self) -> Breakers: ...
+    @property
+    def flying(self) -> set[object]: ...
+    @property
+    def closed(self) -> bool: ...
 
+    def closing(self) -> str: ...
     def connect(self) -> Any: ...
     def learned(self, processes: int) -> None: ...
     def degraded(self, why: BaseException | None, *, logged: bool) -> None: ...
@@ -189,6 +205,11 @@ class StoreState:
     counters: Counting
     name: str
     _warned: bool
+    #: The commands on their way to the store now (each sent is its own token), and
+    #: whether the limiter is closed: ``close()`` lets the first land before it closes
+    #: the client, and after it nothing is sent (``drivers.send``).
+    flying: set[object]
+    closed: bool
 
     def connect(self) -> Any:
         """The client, built now (once) if it is a ``LazyClient`` not built yet."""
@@ -203,6 +224,24 @@ class StoreState:
         if isinstance(source, LazyClient) and source.built:
             return source.get()
         return source
+
+    def closing(self) -> str:
+        """The error of a command sent once the limiter is closed."""
+        return f"{self.name} is closed: close() ended it (build another limiter)"
+
+    def land(self) -> None:
+        """Closes the limiter (no command is sent from now on) and waits for the
+        commands on their way to land, so that closing the client cuts none. Each is
+        bounded by the client's timeout."""
+        self.closed = True
+        while self.flying:
+            time.sleep(LANDING_STEP)
+
+    async def land_async(self) -> None:
+        """:meth:`land`, awaited."""
+        self.closed = True
+        while self.flying:
+            await asyncio.sleep(LANDING_STEP)
 
     def breaker(self, key: bytes) -> Breaker:
         """The breaker of the node that holds ``key``."""
@@ -223,9 +262,27 @@ class StoreState:
             )
         return micros
 
+    policy: Policy
+    processes: Processes
+    fallback: Answering
+
     def without_store(self) -> str:
         """What answers without the store, for the logs."""
         raise NotImplementedError
+
+    def answering_policy(self) -> Policy:
+        """The policy that answers without the store: ``"local"`` only once the
+        processes sharing the limit are counted (or fixed); until then ``"closed"``,
+        since no share can be told (docs/design.md §6, "How many processes")."""
+        if self.policy == LOCAL and not self.processes.known:
+            return CLOSED
+        return self.policy
+
+    def described(self) -> str:
+        """The log line's part for a policy other than a counted ``"local"``."""
+        if self.policy == LOCAL:
+            return f"calls are refused: {self.processes.describe()}"
+        return self.fallback.description
 
     def degraded(self, why: BaseException | None, *, logged: bool) -> None:
         """An answer given without the store (``degraded=True``): counted. Never
@@ -251,6 +308,8 @@ class LimiterState(StoreState):
 
     ``client`` is the client, or a ``LazyClient`` building it on first use.
     """
+
+    fallback: Fallback
 
     def __init__(
         self,
@@ -295,25 +354,29 @@ class LimiterState(StoreState):
         self.retry_interval = retry_interval
         # Counted only where the count is used: the "local" share.
         self.processes = Processes(processes if processes is not None or policy == LOCAL else 1)
-        self.fallback = self._fallback(self.processes.count)
+        self.fallback = self._fallback()
         self.breakers = Breakers(retry_interval, name, self.without_store)
         # Only on the store's clock: an injected clock (a ManualClock) may jump ahead
         # of time.monotonic(), which the cache measures waits with.
         self.refusals = RefusalCache() if refusal_cache and clock is None else None
         self._client_lock = threading.Lock()
-        self._warned = False  # the first degraded answer is logged (issue 19 A2)
+        self._warned = False  # the first degraded answer is logged
+        self.flying = set()
+        self.closed = False
         fork_safe(self)
 
     def _after_fork(self) -> None:
         self._client_lock = threading.Lock()
+        self.processes.forked()
+        self.fallback = self._fallback()
 
-    def _fallback(self, processes: int) -> Fallback:
+    def _fallback(self) -> Fallback:
         return Fallback(
-            self.policy,
+            self.answering_policy(),
             self.capacity,
             self.p,
             self.unit,
-            processes=processes,
+            processes=self.processes.count,
             retry_interval=self.retry_interval,
             clock=self.clock,
         )
@@ -349,18 +412,20 @@ class LimiterState(StoreState):
     def without_store(self) -> str:
         """What answers without the store, for the logs: the policy, and under
         ``"local"`` this process's share and how the processes are counted."""
-        if self.policy != LOCAL:
-            return self.fallback.description
+        if self.policy != LOCAL or not self.processes.known:
+            return self.described()
         return (
             f"{self.fallback.description}: {self.fallback.share} of {self.capacity} tokens, "
             f"{self.processes.describe()}"
         )
 
     def learned(self, processes: int) -> None:
-        """The store counted ``processes`` live processes sharing this limiter: the
-        local share follows (the fallback is rebuilt when the count changes)."""
+        """A heartbeat read ``processes`` live processes sharing this limiter: the
+        local share follows (the fallback is rebuilt when the share changes)."""
         if self.processes.learned(processes):
-            self.fallback = self._fallback(self.processes.count)
+            self.fallback = self._fallback()
 
 
 INF: Final = float("inf")
+#: Seconds between two looks at the commands still on their way while closing.
+LANDING_STEP: Final = 0.001
