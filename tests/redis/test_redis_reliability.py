@@ -19,8 +19,10 @@ import redis.asyncio
 from bucketlimit.redis import (
     AsyncRedisTokenBucketLimiter,
     LeasePolicy,
+    RedisConcurrencyLimiter,
     RedisTokenBucketLimiter,
 )
+from bucketlimit.testing import ManualClock
 from tests.support.redis_servers import RedisServer
 
 QUOTA = 100_000
@@ -141,3 +143,21 @@ def test_a_closed_limiter_says_so(redis_client: redis.Redis) -> None:
     ):
         limiter.allow("k")
     redis_client.ping()  # a client the user gave stays theirs, open
+
+
+# -- fencing tokens on a limiter given a clock ---------------------------------------------
+
+
+def test_fencing_tokens_never_repeat_on_a_clock_when_the_store_lost_the_key(
+    redis_client: redis.Redis,
+) -> None:
+    # Before: on a ManualClock the counter of a lost key restarted from the clock's
+    # time, so the same three tokens were granted again after the key was deleted.
+    clock = ManualClock()
+    limiter = RedisConcurrencyLimiter(redis_client, 3, ttl=60, clock=clock, processes=1)
+    first = [limiter.try_acquire("k").token for _ in range(3)]
+    redis_client.flushall()  # the store lost every key (a restart without persistence)
+    again = [limiter.try_acquire("k").token for _ in range(3)]
+    assert all(first), first
+    assert min(again) > max(first), f"tokens {again} after the loss, {first} before"
+    assert again == sorted(again)

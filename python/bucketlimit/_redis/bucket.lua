@@ -306,7 +306,8 @@ if np > 0 then
   permit = function(i)
     local a = 2 + (i - 1) * 9
     local now = ARGV[a + 1]
-    if now == nil or now == '' then
+    local given = not (now == nil or now == '')
+    if not given then
       if server_now == nil then
         local t = redis.call('TIME')
         server_now = t[1] * 1000000 + t[2]
@@ -332,6 +333,16 @@ if np > 0 then
     end
     if meta[1] == false then
       S.new[''] = true
+      if given then
+        -- A clock given to the limiter may stand still or start again where it
+        -- was (a ManualClock): a counter the store lost restarts from the
+        -- server's time, which only grows, so no token is ever granted twice.
+        if server_now == nil then
+          local t = redis.call('TIME')
+          server_now = t[1] * 1000000 + t[2]
+        end
+        S.t = max(S.t, server_now - 1)
+      end
     end
     if S.member == '' then
       S.member = nil
@@ -402,7 +413,8 @@ if np > 0 then
 
   -- A new permit held by member "token" or, handed to a waiter, "token name",
   -- expiring at `expiry`; its token is the key's last one + 1, and at least
-  -- now: it grows even across a key forgotten, or a server that lost it.
+  -- now (a counter the store lost starts from the server's time, whatever the
+  -- clock): it grows even across a key forgotten, or a server that lost it.
   grant = function(S, expiry, name)
     local token = max(S.t + 1, S.now)
     S.t = token
