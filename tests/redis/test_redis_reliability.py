@@ -17,6 +17,7 @@ import redis
 import redis.asyncio
 
 from bucketlimit.redis import (
+    AsyncRedisConcurrencyLimiter,
     AsyncRedisTokenBucketLimiter,
     LeasePolicy,
     RedisConcurrencyLimiter,
@@ -161,3 +162,39 @@ def test_fencing_tokens_never_repeat_on_a_clock_when_the_store_lost_the_key(
     assert all(first), first
     assert min(again) > max(first), f"tokens {again} after the loss, {first} before"
     assert again == sorted(again)
+
+
+# -- a full connection pool is not an outage ---------------------------------------------------
+
+
+def test_asyncio_waiters_filling_their_pool_never_pass_the_limit(redis_server: RedisServer) -> None:
+    # Before: 120 tasks on a plain redis.asyncio.Redis (a pool of 100 connections that
+    # raises MaxConnectionsError when full) were answered "without the store" from
+    # the local share while the store's permits were held: 5 in flight for a limit
+    # of 3, on a healthy server. Now a call waits for a free connection.
+    async def main() -> tuple[int, int, int]:
+        client = redis.asyncio.Redis(port=redis_server.port)
+        assert client.connection_pool.max_connections == 100  # redis-py's default
+        limiter = AsyncRedisConcurrencyLimiter(client, 3, ttl=60, prefix="pool-full:", processes=1)
+        inside = most = degraded = 0
+
+        async def task() -> None:
+            nonlocal inside, most, degraded
+            permit = await limiter.acquire("k", timeout=60)
+            assert permit, permit.decision
+            degraded += permit.decision.degraded
+            async with permit:
+                inside += 1
+                most = max(most, inside)
+                await asyncio.sleep(0.001)
+                inside -= 1
+
+        await asyncio.gather(*(task() for _ in range(120)))
+        granted = limiter.stats()["granted"]
+        await client.aclose()
+        return most, degraded, granted
+
+    most, degraded, granted = asyncio.run(main())
+    assert most <= 3, f"{most} in flight for a limit of 3"
+    assert degraded == 0, "a full pool answered by the policy on a healthy store"
+    assert granted == 120

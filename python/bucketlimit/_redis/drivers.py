@@ -15,7 +15,8 @@ redirections of a slot being migrated is followed here (:func:`follow_asks`).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, TypeVar
+import time
+from typing import Any, Final, TypeVar
 
 from bucketlimit._core import Decision
 from bucketlimit._redis import flows
@@ -24,6 +25,7 @@ from bucketlimit._redis.errors import (
     REDIRECTED,
     AskError,
     ClusterError,
+    MaxConnectionsError,
     MovedError,
     TryAgainError,
     classify,
@@ -32,6 +34,14 @@ from bucketlimit._redis.flows import Command, Flow, Flowing, Outcome
 from bucketlimit._redis.state import LimiterState, Store
 
 T = TypeVar("T")
+
+#: Seconds a command waits for a connection when its client's pool is full and says
+#: so at once (redis-py's ``MaxConnectionsError``: nothing was sent), in steps of
+#: POOL_STEP: the limiter's own callers filling their pool are not an outage, and
+#: answering them by the policy (a "local" share) would admit beyond the limit. A
+#: blocking pool waits by itself (its own timeout).
+POOL_WAIT: Final = 1.0
+POOL_STEP: Final = 0.002
 
 
 def drive(flowing: Flowing, state: Store) -> Outcome:
@@ -76,7 +86,16 @@ def send(state: Store, command: Command) -> Any:
         if state.closed:
             raise RuntimeError(state.closing())
         client = state.client if state.client is not None else state.connect()
-        return getattr(client, command.name)(*command.argv)
+        call = getattr(client, command.name)
+        waited = 0.0
+        while True:
+            try:
+                return call(*command.argv)
+            except MaxConnectionsError:
+                if waited >= POOL_WAIT:
+                    raise
+                time.sleep(POOL_STEP)
+                waited += POOL_STEP
     finally:
         flying.discard(command)
 
@@ -92,7 +111,7 @@ async def send_async(state: Store, command: Command) -> Any:
             raise RuntimeError(state.closing())
         client = state.client if state.client is not None else state.connect()
         try:
-            return await getattr(client, command.name)(*command.argv)
+            return await _sent_async(getattr(client, command.name), command.argv)
         except ClusterError as storm:
             if (
                 command.name != "execute_command"
@@ -103,6 +122,20 @@ async def send_async(state: Store, command: Command) -> Any:
             return await follow_asks(client, command.argv, command.keys[0], storm)
     finally:
         flying.discard(command)
+
+
+async def _sent_async(call: Any, argv: tuple[Any, ...]) -> Any:
+    """``call(*argv)`` awaited, waiting for a free connection while the client's pool
+    is full (as :func:`send` does)."""
+    waited = 0.0
+    while True:
+        try:
+            return await call(*argv)
+        except MaxConnectionsError:
+            if waited >= POOL_WAIT:
+                raise
+            await asyncio.sleep(POOL_STEP)
+            waited += POOL_STEP
 
 
 #: As many sends as the cluster clients' own ``RedisClusterRequestTTL``.

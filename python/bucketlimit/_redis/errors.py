@@ -12,9 +12,10 @@
   client, a server too old for the script): :class:`ConfigurationError`, whatever
   the policy, so a misconfigured limiter never silently fails open.
 - ``EXHAUSTED``: the client's own connection pool is full (redis-py's
-  ``MaxConnectionsError``, or a blocking pool that found no free connection within
-  its timeout): this process is busy, not the store down. The policy answers that
-  one call (``degraded=True``) and the breaker stays as it was.
+  ``MaxConnectionsError``, which the drivers wait out for a while first, or a
+  blocking pool that found no free connection within its timeout): this process
+  is busy, not the store down. The policy answers that one call
+  (``degraded=True``) and the breaker stays as it was.
 - ``REDIRECTED``: a cluster client gave up after 16 ``MOVED``/``ASK``/``TRYAGAIN``
   replies in a row (``ClusterError("TTL exhausted.")``), as redis-py's asyncio
   cluster client can during a slot migration: every node answered, none ran the
