@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from bucketlimit.redis import (
 )
 from bucketlimit.testing import ManualClock
 from tests.support.redis_servers import RedisServer
+from tests.support.tcp_proxy import TcpProxy
 
 QUOTA = 100_000
 THREADS = 8
@@ -198,3 +200,114 @@ def test_asyncio_waiters_filling_their_pool_never_pass_the_limit(redis_server: R
     assert most <= 3, f"{most} in flight for a limit of 3"
     assert degraded == 0, "a full pool answered by the policy on a healthy store"
     assert granted == 120
+
+
+# -- a wake-up connection that goes silent -------------------------------------------------
+
+
+TTL = 600.0
+
+
+def until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + 30  # a hang guard only
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.005)
+
+
+def subscribed(admin: redis.Redis) -> bool:
+    """Whether a wake-up channel has its subscriber on the server."""
+    channels = admin.pubsub_channels("*bucketlimit-wake*")
+    return bool(channels) and admin.pubsub_numsub(*channels)[0][1] > 0
+
+
+class SilentWakeups:
+    """The scenario: a limiter through a proxy, one slot. Round 1: a waiter is woken
+    by the store's message (the subscription is heard). Round 2: a second waiter
+    queues, the subscription's connection goes silent (open, delivering nothing),
+    the first releases: its grant is published into the silence. The waiters wait
+    without a timeout, and nothing expires for 10 minutes: a waiter not told of
+    the release would ask again only then (the hang guards are 30 s)."""
+
+    def __init__(self, server: RedisServer, proxy: TcpProxy, prefix: str) -> None:
+        self.admin = redis.Redis(port=server.port)
+        self.proxy = proxy
+        self.url = f"redis://127.0.0.1:{proxy.port}/0"
+        self.prefix = prefix
+        self.holder = RedisConcurrencyLimiter(self.admin, 1, ttl=TTL, prefix=prefix, processes=1)
+        self.held = self.holder.try_acquire("k")
+        assert self.held
+
+    def queued(self) -> bool:
+        """Whether a waiter is in the key's queue on the store."""
+        return int(self.admin.zcard(self.holder.redis_key("k") + b":q")) == 1
+
+    def first_round(self, stats: Any) -> None:
+        """Called while the first waiter waits: the release reaches it by message."""
+        until(self.queued, "the first waiter to queue")
+        until(lambda: subscribed(self.admin), "the wake-up subscription")
+        self.held.release()
+        until(lambda: stats()["wakeups"] == 1, "the first waiter's wake-up message")
+
+    def silence(self, stats: Any) -> None:
+        """Called while the second waiter waits: its wake-ups go silent."""
+        until(self.queued, "the second waiter to queue")
+        assert self.proxy.black_hole("SUBSCRIBE") == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_waiter_whose_wakeups_go_silent_is_still_handed_a_released_slot(
+    redis_server: RedisServer,
+) -> None:
+    # Before: with its pub/sub connection black-holed (open, delivering nothing) a
+    # waiter was never woken: the released slot sat idle until the old holder's ttl.
+    # Now the listener PINGs a silent subscription, takes an unanswered PING as a
+    # lost subscription, subscribes again and has its waiters ask the store.
+    with TcpProxy(redis_server.port) as proxy:
+        scene = SilentWakeups(redis_server, proxy, "silent-thread:")
+        limiter = RedisConcurrencyLimiter.from_url(
+            scene.url, 1, ttl=TTL, prefix=scene.prefix, timeout=5, processes=1
+        )
+        answers: list[Any] = []
+        first = threading.Thread(target=lambda: answers.append(limiter.acquire("k")))
+        first.start()
+        scene.first_round(limiter.stats)
+        first.join(30)
+        second = threading.Thread(target=lambda: answers.append(limiter.acquire("k")), daemon=True)
+        second.start()
+        scene.silence(limiter.stats)
+        answers[0].release()  # on the command connection, which still works
+        second.join(30)
+        assert not second.is_alive(), "the release never reached the waiter"
+        assert [bool(a) for a in answers] == [True, True]
+        answers[1].release()
+        limiter.close()
+
+
+@pytest.mark.timeout(90)
+def test_an_asyncio_waiter_whose_wakeups_go_silent_is_still_handed_a_released_slot(
+    redis_server: RedisServer,
+) -> None:
+    # As above, for the asyncio listener (a task).
+    with TcpProxy(redis_server.port) as proxy:
+        scene = SilentWakeups(redis_server, proxy, "silent-task:")
+
+        async def main() -> list[bool]:
+            limiter = AsyncRedisConcurrencyLimiter.from_url(
+                scene.url, 1, ttl=TTL, prefix=scene.prefix, timeout=5, processes=1
+            )
+            first = asyncio.ensure_future(limiter.acquire("k"))
+            await asyncio.to_thread(scene.first_round, limiter.stats)
+            held = await first
+            second = asyncio.ensure_future(limiter.acquire("k"))
+            await asyncio.to_thread(scene.silence, limiter.stats)
+            await held.release()
+            try:
+                granted = await asyncio.wait_for(second, 30)
+            except TimeoutError:
+                pytest.fail("the release never reached the waiter")
+            await granted.release()
+            await limiter.aclose()
+            return [bool(held), bool(granted)]
+
+        assert asyncio.run(main()) == [True, True]

@@ -5,6 +5,7 @@ and counts the commands that went through.
         client = redis.Redis(port=proxy.port)
         proxy.latency = 0.1        # every command reaches the server 100 ms late
         proxy.drop_next_reply()    # the next command is forwarded, its reply dropped
+        proxy.black_hole("SUBSCRIBE")  # connections that sent it stay open, silent
         proxy.commands()           # commands seen so far (RESP arrays, by name too)
 
 It sits between a client and a real redis-server, so the server does run what
@@ -82,6 +83,7 @@ class _Link:
         self.client = client
         self.upstream = upstream
         self.muted = False  # replies are dropped from now on
+        self.sent: set[str] = set()  # the names of the commands it carried
 
     def close(self) -> None:
         for sock in (self.client, self.upstream):
@@ -152,6 +154,17 @@ class TcpProxy:
         with self._lock:
             self._drop_next = True
 
+    def black_hole(self, command: str) -> int:
+        """Every open connection that has carried ``command`` goes silent: it stays
+        open, forwarding what the client sends, and no reply reaches the client
+        again (a black-holed path). Answers how many went silent."""
+        name = command.upper()
+        with self._lock:
+            silenced = [link for link in self._links if name in link.sent]
+            for link in silenced:
+                link.muted = True
+        return len(silenced)
+
     # -- counts ----------------------------------------------------------------------
 
     def commands(self, *names: str, since: float = 0.0) -> int:
@@ -215,6 +228,7 @@ class TcpProxy:
                 with self._lock:
                     for name in names:
                         self._events.append((now, name))
+                    link.sent.update(names)
                     self._total += len(names)
                     if names and self._drop_next:
                         self._drop_next = False

@@ -11,9 +11,10 @@ thread for the blocking client (:func:`listen`), a task for the asyncio one
 (:func:`listen_async`). It runs while someone waits, and stops once nobody has
 waited for :data:`IDLE` seconds.
 
-Pub/sub may lose a message (a connection that dropped, a subscription not
-confirmed yet); the grant is never lost with it, since it is recorded on the
-store. So a waiter registered while the channel was not heard, or when the
+Pub/sub may lose a message (a connection that dropped, or went silent while
+open, a subscription not confirmed yet); the grant is never lost with it, since
+it is recorded on the store. A listener with waiters that hears nothing for
+:data:`SILENCE` seconds sends a PING; unanswered, the subscription is lost. So a waiter registered while the channel was not heard, or when the
 subscription was lost, is woken with :data:`RESYNC`: it asks the store once.
 While no subscription is heard a waiter asks the store every
 :data:`POLL_WITHOUT_WAKEUPS` seconds, so a wait of 3 s or more costs at most
@@ -48,7 +49,14 @@ POLL_WITHOUT_WAKEUPS: Final = 0.75
 IDLE: Final = 10.0
 
 #: Seconds a listener waits for a message before it looks at its state again.
-LISTEN_STEP: Final = 1.0
+LISTEN_STEP: Final = 0.25
+
+#: Seconds of silence after which a listener with waiters asks its connection
+#: whether it still works (a PING on it), and then waits at most for its PONG
+#: before it takes the subscription as lost: a connection that stays open but
+#: delivers nothing (a black-holed path) must not leave a freed slot idle until an
+#: expiry, nor a waiter asleep until its timeout.
+SILENCE: Final = 1.0
 
 #: Seconds a listener waits before subscribing again after a failure.
 RETRY: Final = 1.0
@@ -240,6 +248,39 @@ class Wakeups:
             waiter.wake((token, remaining, reset))
 
 
+class Silent(Exception):
+    """A subscription that answered neither a message nor a PING: taken as lost."""
+
+
+class Liveness:
+    """Whether a listener's subscription still delivers (see :data:`SILENCE`): what
+    its listener does after a wait that brought nothing. Shared by both listeners;
+    times are ``time.monotonic()``."""
+
+    __slots__ = ("_heard", "_pinged")
+
+    def __init__(self) -> None:
+        self._heard = time.monotonic()
+        self._pinged: float | None = None
+
+    def heard(self) -> None:
+        """Something came on the connection (a message, a subscription, a PONG)."""
+        self._heard, self._pinged = time.monotonic(), None
+
+    def quiet(self, waiting: bool) -> bool:
+        """Nothing came for a while: True when a PING is due now; raises
+        :class:`Silent` when the last PING went unanswered for :data:`SILENCE`."""
+        now = time.monotonic()
+        if self._pinged is not None:
+            if now - self._pinged >= SILENCE:
+                raise Silent(f"no answer to a PING for {SILENCE:g} s")
+            return False
+        if waiting and now - self._heard >= SILENCE:
+            self._pinged = now
+            return True
+        return False
+
+
 def _kind(message: Any) -> tuple[str, Any]:
     kind = message.get("type")
     if isinstance(kind, bytes):
@@ -249,31 +290,30 @@ def _kind(message: Any) -> tuple[str, Any]:
 
 def listen(wakeups: Wakeups, client: Any) -> None:
     """The listener of a blocking client: subscribes, wakes the waiters named by
-    each message, resubscribes after a failure, and stops once idle. Runs in a
-    daemon thread of its own; it never raises."""
+    each message, resubscribes after a failure or a silence its PING does not
+    break (:class:`Liveness`), and stops once idle. Runs in a daemon thread of its
+    own; it never raises."""
     pubsub: Any = None
+    liveness = Liveness()
     try:
         while not wakeups.done():
-            if pubsub is None:
-                try:
+            try:
+                if pubsub is None:
                     pubsub = client.pubsub()
                     pubsub.subscribe(wakeups.channel)
-                except Exception as error:
-                    wakeups.lost(error)
-                    _closed(pubsub)
-                    pubsub = None
-                    time.sleep(RETRY)
-                    continue
-            try:
+                    liveness = Liveness()
                 message = pubsub.get_message(timeout=LISTEN_STEP)
+                if message is None:
+                    if liveness.quiet(wakeups.waiting() > 0):
+                        pubsub.ping()
+                    continue
             except Exception as error:
                 wakeups.lost(error)
                 _closed(pubsub)
                 pubsub = None
                 time.sleep(RETRY)
                 continue
-            if message is None:
-                continue
+            liveness.heard()
             kind, data = _kind(message)
             if kind == "subscribe":
                 wakeups.subscribed()
@@ -297,28 +337,26 @@ def _closed(pubsub: Any) -> None:
 async def listen_async(wakeups: Wakeups, client: Any) -> None:
     """:func:`listen` for an asyncio client, in a task of its own."""
     pubsub: Any = None
+    liveness = Liveness()
     try:
         while not wakeups.done():
-            if pubsub is None:
-                try:
+            try:
+                if pubsub is None:
                     pubsub = client.pubsub()
                     await pubsub.subscribe(wakeups.channel)
-                except Exception as error:
-                    wakeups.lost(error)
-                    await _closed_async(pubsub)
-                    pubsub = None
-                    await asyncio.sleep(RETRY)
-                    continue
-            try:
+                    liveness = Liveness()
                 message = await pubsub.get_message(timeout=LISTEN_STEP)
+                if message is None:
+                    if liveness.quiet(wakeups.waiting() > 0):
+                        await pubsub.ping()
+                    continue
             except Exception as error:
                 wakeups.lost(error)
                 await _closed_async(pubsub)
                 pubsub = None
                 await asyncio.sleep(RETRY)
                 continue
-            if message is None:
-                continue
+            liveness.heard()
             kind, data = _kind(message)
             if kind == "subscribe":
                 wakeups.subscribed()
