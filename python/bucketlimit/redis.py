@@ -44,6 +44,7 @@ from bucketlimit._redis.clients import (
     DEFAULT_TIMEOUT,
     LazyClient,
     client_from_url,
+    closed_async,
 )
 from bucketlimit._redis.concurrency import (
     AsyncRedisConcurrencyLimiter,
@@ -389,7 +390,7 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
             await run_async(leases.give_back_all(self._state, self._leases), self._state)
         await self._state.land_async()  # the commands of other tasks land first
         if self._owned is not None and self._owned.built:
-            await self._owned.get().aclose()
+            await closed_async(self._owned.get())
 
     def _give_back_at_exit(self) -> None:
         # No event loop runs at exit: the give-backs get one of their own. An asyncio

@@ -25,7 +25,8 @@ from bucketlimit.redis import (
     RedisTokenBucketLimiter,
 )
 from bucketlimit.testing import ManualClock
-from tests.support.redis_servers import RedisServer
+from tests.redis.test_redis_operations import key_on_node
+from tests.support.redis_servers import RedisServer, ServerFactory
 from tests.support.tcp_proxy import TcpProxy
 
 QUOTA = 100_000
@@ -311,3 +312,35 @@ def test_an_asyncio_waiter_whose_wakeups_go_silent_is_still_handed_a_released_sl
             return [bool(held), bool(granted)]
 
         assert asyncio.run(main()) == [True, True]
+
+
+# -- a cluster limiter built while the master of slot 0 is down --------------------------
+
+
+@pytest.mark.timeout(90)
+def test_a_cluster_limiter_built_while_slot_zeros_master_is_down_degrades_only_its_keys(
+    redis_server_factory: ServerFactory,
+) -> None:
+    # Before: the clients start by asking COMMAND of the master of slot 0; with it
+    # down and retries off every key was degraded (48 of 48 answers), healthy
+    # masters included, and the asyncio class opened every node's breaker with the
+    # dead node's error. docs/redis.md: "with one master of three down only the keys
+    # of its slots are degraded".
+    cluster = redis_server_factory.cluster()
+    cluster.servers[0].kill()  # the master of slots 0-5460
+    healthy = cluster.servers[1].url.replace("redis://", "redis+cluster://")
+    keys = [key_on_node(node) for node in range(3)]
+    options: dict[str, Any] = {"prefix": "bucketlimit:", "processes": 1, "timeout": 1.0}
+    with RedisTokenBucketLimiter.from_url(healthy, 100, 0, **options) as limiter:
+        answers = [limiter.allow(key) for key in keys * 3]
+        assert [a.degraded for a in answers] == [True, False, False] * 3
+        assert limiter.stats()["breaker_openings"] == 1
+
+    async def main() -> tuple[list[bool], int]:
+        async with AsyncRedisTokenBucketLimiter.from_url(healthy, 100, 0, **options) as limiter:
+            answers = [await limiter.allow(key) for key in keys * 3]
+            return [a.degraded for a in answers], limiter.stats()["breaker_openings"]
+
+    degraded, openings = asyncio.run(main())
+    assert degraded == [True, False, False] * 3
+    assert openings == 1, "a healthy node's breaker was charged with the dead node's error"

@@ -167,6 +167,20 @@ DEFAULT_TIMEOUT: Final = 0.25
 #: default pool size); a call finding them all busy waits up to ``timeout`` for one.
 DEFAULT_MAX_CONNECTIONS: Final = 100
 
+#: How many other masters a blocking cluster client's constructor may ask for the
+#: COMMAND table when its default node (the master of slot 0) does not answer.
+CLUSTER_START_RETRIES: Final = 3
+
+
+async def closed_async(client: Any) -> None:
+    """Closes an asyncio ``client``. A cluster client that never started (its first
+    command could not reach the master of slot 0: ``drivers.unstarted_node``) closes
+    nothing itself, so the nodes a command went to directly are disconnected too."""
+    await client.aclose()
+    if any(isinstance(client, lib.asyncio.cluster) for lib in LIBRARIES):
+        for node in client.get_nodes():
+            await node.disconnect()
+
 
 class LazyClient:
     """A client built on first use, once: what :func:`client_from_url` answers and
@@ -284,9 +298,18 @@ def client_from_url(
         # slot it names (docs/redis.md, "Resharding and failover").
         settings["reinitialize_steps"] = 0
         cluster = True
+        # The blocking client reads COMMAND from its default node (the master of
+        # slot 0) in its constructor: with no retries, one master down would stop
+        # the client for every key. Its constructor may retry (COMMAND is a read,
+        # and each retry asks another master); the client's commands never do.
+        starting = {**settings, "retry": kind.retry(library.no_backoff(), CLUSTER_START_RETRIES)}
 
         def build() -> Any:
-            return cluster_class.from_url(plain, **settings)
+            if asyncio:  # it starts at its first command, without those retries
+                return cluster_class.from_url(plain, **settings)
+            client = cluster_class.from_url(plain, **starting)
+            client.set_retry(settings["retry"])
+            return client
 
     else:
         client_class, pool_class = kind.standalone, kind.blocking_pool

@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, SupportsIndex, TypedDi
 
 from bucketlimit import _core
 from bucketlimit._redis import permits
-from bucketlimit._redis.clients import DEFAULT_TIMEOUT, LazyClient, client_from_url
+from bucketlimit._redis.clients import (
+    DEFAULT_TIMEOUT,
+    LazyClient,
+    client_from_url,
+    closed_async,
+)
 from bucketlimit._redis.drivers import run, run_async, send, send_async
 from bucketlimit._redis.flows import Flow, Flowing, Part, check_wait
 from bucketlimit._redis.keys import Keys
@@ -633,7 +638,7 @@ class AsyncRedisConcurrencyLimiter(RedisConcurrency[AsyncClient]):
         self._state.wakeups.stop()
         await self._state.land_async()
         if self._owned is not None and self._owned.built:
-            await self._owned.get().aclose()
+            await closed_async(self._owned.get())
 
     async def __aenter__(self) -> AsyncRedisConcurrencyLimiter:
         return self

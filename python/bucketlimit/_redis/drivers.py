@@ -24,6 +24,7 @@ from bucketlimit._redis.clients import LIBRARIES
 from bucketlimit._redis.errors import (
     REDIRECTED,
     AskError,
+    ClientConnectionError,
     ClusterError,
     MaxConnectionsError,
     MovedError,
@@ -120,6 +121,11 @@ async def send_async(state: Store, command: Command) -> Any:
             ):
                 raise
             return await follow_asks(client, command.argv, command.keys[0], storm)
+        except ClientConnectionError as refused:
+            node = unstarted_node(client, command, refused)
+            if node is None:
+                raise
+            return await node.execute_command(*command.argv)
     finally:
         flying.discard(command)
 
@@ -136,6 +142,27 @@ async def _sent_async(call: Any, argv: tuple[Any, ...]) -> Any:
                 raise
             await asyncio.sleep(POOL_STEP)
             waited += POOL_STEP
+
+
+def unstarted_node(client: Any, command: Command, refused: BaseException) -> Any:
+    """The node of ``command``'s key, to send it to directly, when an asyncio cluster
+    ``client`` could not connect (``refused``: nothing was sent) and knows the
+    slot's node; else ``None``.
+
+    redis-py's and valkey-py's asyncio cluster clients start at their first command
+    by asking COMMAND of their default node, the master of slot 0: while it is
+    down every command fails with its connection error, whatever node its key is
+    on, and would degrade every key. The slot map is read before that, so the
+    key's own node is known: a connection that failed before sending anything
+    makes the direct send safe (a timeout would not: it may have run)."""
+    if (
+        command.name != "execute_command"
+        or not command.keys
+        or "connecting to" not in str(refused)
+        or not any(isinstance(client, lib.asyncio.cluster) for lib in LIBRARIES)
+    ):
+        return None
+    return client.get_node_from_key(command.keys[0])
 
 
 #: As many sends as the cluster clients' own ``RedisClusterRequestTTL``.

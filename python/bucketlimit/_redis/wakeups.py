@@ -14,8 +14,9 @@ waited for :data:`IDLE` seconds.
 Pub/sub may lose a message (a connection that dropped, or went silent while
 open, a subscription not confirmed yet); the grant is never lost with it, since
 it is recorded on the store. A listener with waiters that hears nothing for
-:data:`SILENCE` seconds sends a PING; unanswered, the subscription is lost. So a waiter registered while the channel was not heard, or when the
-subscription was lost, is woken with :data:`RESYNC`: it asks the store once.
+:data:`SILENCE` seconds sends a PING; unanswered, the subscription is lost. So
+a waiter registered while the channel was not heard, or when the subscription
+was lost, is woken with :data:`RESYNC`: it asks the store once.
 While no subscription is heard a waiter asks the store every
 :data:`POLL_WITHOUT_WAKEUPS` seconds, so a wait of 3 s or more costs at most
 two commands a second, its first and last included; with it, a waiter asks
