@@ -543,12 +543,14 @@ class RateLimitMiddleware:
     ) -> None:
         refusal = limits.refusal()
         hook = limits.refusal_hook()
-        if hook is None:
+        response = None
+        if hook is not None:
+            response = hook(request, refusal)
+            if inspect.isawaitable(response):
+                response = await response
+        if response is None:  # no hook, or the hook's None: the default refusal
             await send_refusal(scope, receive, send, refusal)
             return
-        response = hook(request, refusal)
-        if inspect.isawaitable(response):
-            response = await response
 
         async def send_with_fields(message: Message) -> None:
             if message["type"] in ("http.response.start", "websocket.http.response.start"):

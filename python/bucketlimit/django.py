@@ -204,7 +204,7 @@ def refusal_response(refusal: Refusal) -> HttpResponse:
 def _refused(request: Any, limits: RequestLimits) -> Any:
     """The response of a refusal: ``on_refusal``'s (the limit's, else
     ``BUCKETLIMIT_ON_REFUSAL``), with ``Retry-After`` where it set none, or the
-    default problem response."""
+    default problem response (with no hook, or when it returned ``None``)."""
     setattr(_django_request(request), _REFUSED, True)
     refusal = limits.refusal()
     hook = limits.refusal_hook()
@@ -221,6 +221,8 @@ async def _awaited(response: Awaitable[Any], refusal: Refusal) -> Any:
 
 
 def _with_retry_after(response: Any, refusal: Refusal) -> Any:
+    if response is None:  # the hook's None: the default refusal
+        return refusal_response(refusal)
     if isinstance(response, HttpResponseBase) and response.status_code == refusal.status:
         for name in (RETRY_AFTER, profiles.RETRY_AFTER_MS):
             if name in refusal.headers and name not in response:
@@ -306,7 +308,9 @@ class Limit(LimitSettings[HttpRequest]):
             async def limited_async(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
                 try:
                     refusal = await self.acheck(request)
-                    response = refusal or await view(request, *args, **kwargs)
+                    response = (
+                        refusal if refusal is not None else await view(request, *args, **kwargs)
+                    )
                 except BaseException:
                     _release_now(request)  # no response will release its permits
                     raise
@@ -319,7 +323,7 @@ class Limit(LimitSettings[HttpRequest]):
         def limited(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
             try:
                 refusal = self.check(request)
-                response = refusal or view(request, *args, **kwargs)
+                response = refusal if refusal is not None else view(request, *args, **kwargs)
             except BaseException:
                 _release_now(request)  # no response will release its permits
                 raise

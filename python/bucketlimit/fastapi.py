@@ -179,14 +179,16 @@ class RateLimitExceeded(HTTPException):
 async def refusal_handler(connection: HTTPConnection, exc: Exception) -> Response | None:
     """Answers a :class:`RateLimitExceeded`: the problem response (or what its
     ``on_refusal`` returned, with the fields and ``Retry-After`` added where it set
-    none), or for a WebSocket a refused handshake (429 where the server can send
-    one, else close 1008)."""
+    none; a hook's ``None`` is the problem response), or for a WebSocket a refused
+    handshake (429 where the server can send one, else close 1008)."""
     assert isinstance(exc, RateLimitExceeded)
     refusal = exc.refusal
+    response = None
     if exc.hook is not None and connection.scope["type"] == "http":
         response = exc.hook(connection, refusal)
         if inspect.isawaitable(response):
             response = await response
+    if response is not None:  # the hook's answer (None: the default refusal)
         if isinstance(response, Response):
             for name, value in request_limits(connection.scope).fields(refused=True).items():
                 response.headers[name] = value

@@ -355,8 +355,9 @@ class Limit(LimitSettings[Request]):
 
     def check(self) -> Any:
         """Applies the limit to the current request: ``None`` to go on; a refusal
-        raises :class:`RateLimitExceeded`, or returns what ``on_refusal`` (the
-        limit's, else the app's) made of it."""
+        returns what ``on_refusal`` (the limit's, else the app's) made of it, or
+        raises :class:`RateLimitExceeded` (with no hook, or when the hook returned
+        ``None``)."""
         request: Request = flask.request._get_current_object()  # type: ignore[attr-defined]
         limits = _request_limits(request)
         if limits is None:  # RATELIMIT_ENABLED is off
@@ -368,7 +369,9 @@ class Limit(LimitSettings[Request]):
         request.environ[_REFUSAL] = refusal
         hook = limits.refusal_hook()
         if hook is not None:
-            return hook(request, refusal)
+            response = hook(request, refusal)
+            if response is not None:  # None: the default refusal (flask-limiter's on_breach)
+                return response
         raise RateLimitExceeded(refusal)
 
 
