@@ -173,16 +173,20 @@ remote_address = client_address()
 
 
 def request_limits(
-    scope: Scope, headers: tuple[str, ...] | None = None, on_refusal: RefusalHook | None = None
+    scope: Scope,
+    headers: tuple[str, ...] | None = None,
+    on_refusal: RefusalHook | None = None,
+    check_store: bool = True,
 ) -> RequestLimits:
     """The request's limits, kept in ``scope["state"]`` (``request.state`` in
     Starlette and Litestar): shared by the middleware, the dependencies and the
     route of one request, fresh for each request. The first to make them (the
-    outermost middleware) gives the app's header profile and refusal hook."""
+    outermost middleware) gives the app's header profile, refusal hook and
+    ``check_store``."""
     state: dict[str, Any] = scope.setdefault("state", {})
     limits = state.get(_STATE)
     if limits is None:
-        limits = state[_STATE] = RequestLimits(headers, on_refusal)
+        limits = state[_STATE] = RequestLimits(headers, on_refusal, check_store)
     return cast(RequestLimits, limits)
 
 
@@ -465,9 +469,9 @@ class RateLimitMiddleware:
       ``Response``; may be ``async def``) for a refusal by a limit that has none;
     - ``check_store``: at the lifespan start-up, ask the Redis store of its limit
       (``check()``); one that does not answer fails the start-up
-      (``lifespan.startup.failed``: uvicorn exits). ``False``: start without
-      asking. Limits on routes (``Depends``): :func:`startup_check` in the app's
-      lifespan asks every limit's store.
+      (``lifespan.startup.failed``: uvicorn exits). Limits on routes are asked
+      before they first decide. ``False``: no limit of the app asks; the limiters'
+      ``on_store_error`` policy answers.
 
     A request waiting ``max_wait`` for its tokens whose client disconnects is
     given up: the wait is cancelled and its tokens come back. Other scopes pass
@@ -512,7 +516,7 @@ class RateLimitMiddleware:
         if self.exempt_scope(scope):
             await _serve(self.app, scope, receive, send, None)
             return
-        limits = request_limits(scope, self.headers, self.on_refusal)
+        limits = request_limits(scope, self.headers, self.on_refusal, self.check_store)
         if self.limit is None:
             await _serve(self.app, scope, receive, send, limits)
             return

@@ -182,11 +182,15 @@ def _on_refusal_setting() -> RefusalHook | None:
     return found
 
 
+def _check_store_setting() -> bool:
+    return bool(getattr(settings, "BUCKETLIMIT_CHECK_STORE", True))
+
+
 def _request_limits(request: Any) -> RequestLimits:
     django_request = _django_request(request)
     limits: RequestLimits | None = getattr(django_request, _STATE, None)
     if limits is None:
-        limits = RequestLimits(_headers_setting(), _on_refusal_setting())
+        limits = RequestLimits(_headers_setting(), _on_refusal_setting(), _check_store_setting())
         setattr(django_request, _STATE, limits)
     return limits
 
@@ -502,7 +506,7 @@ class RateLimitMiddleware:
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:
             markcoroutinefunction(self)
-        if getattr(settings, "BUCKETLIMIT_CHECK_STORE", True) and _enabled():
+        if _check_store_setting() and _enabled():
             check_stores([*_configured_limits(), *_default_limits()])
 
     def __call__(self, request: HttpRequest) -> Any:

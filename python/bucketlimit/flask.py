@@ -191,6 +191,7 @@ class _AppLimits:
 
     __slots__ = (
         "application",
+        "check_store",
         "defaults",
         "enabled",
         "headers",
@@ -205,6 +206,7 @@ class _AppLimits:
         enabled: bool,
         headers: tuple[str, ...] | None,
         on_refusal: RefusalHook | None,
+        check_store: bool,
         application: list[Limit],
         defaults: list[Limit],
     ) -> None:
@@ -212,6 +214,7 @@ class _AppLimits:
         self.enabled = enabled
         self.headers = headers
         self.on_refusal = on_refusal
+        self.check_store = check_store
         self.application = application
         self.defaults = defaults
 
@@ -284,7 +287,9 @@ def _request_limits(request: Request) -> RequestLimits | None:
     if not app_limits.enabled:
         environ[_OFF] = True
         return None
-    limits = environ[_STATE] = RequestLimits(app_limits.headers, app_limits.on_refusal)
+    limits = environ[_STATE] = RequestLimits(
+        app_limits.headers, app_limits.on_refusal, app_limits.check_store
+    )
     return limits
 
 
@@ -414,8 +419,10 @@ class RateLimit:
       has none of its own (default: raise :class:`RateLimitExceeded`);
     - ``check_store``: at ``init_app``, ask every Redis store behind the app's limits
       (``check()``): a store that does not answer raises :class:`StoreCheckError`
-      there, so a wrong URL fails the start, not each request later. ``False``
-      starts without asking.
+      there, so a wrong URL fails the start. A view's own limit made after it is
+      asked before it first decides (a store that does not answer fails that
+      request). ``False``: no limit of the app asks; the limiters' ``on_store_error``
+      policy answers.
 
     Arguments win over the app's config. The app's limits run before a view's own;
     a view decorated with the same ``Limit`` is charged once; :func:`exempt` (or
@@ -502,6 +509,7 @@ class RateLimit:
             enabled=enabled,
             headers=headers,
             on_refusal=self.on_refusal,
+            check_store=self.check_store,
             application=application,
             defaults=defaults,
         )

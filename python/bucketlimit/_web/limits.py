@@ -139,6 +139,7 @@ if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
         headers: Headers | None
         on_refusal: RefusalHook | None
         concurrency: Concurrency | None
+        check_store: bool
 
 
 def _check_functions(cost: object, exempt: object, on_refusal: object) -> None:
@@ -237,6 +238,11 @@ class LimitSettings(Generic[R]):
       (the adapter releases it). With a limiter too, the limit is two policies:
       ``name`` and :attr:`concurrency_name`. A concurrency limiter may also be
       given as ``limiter``, alone.
+    - ``check_store``: ask the store of a Redis limiter (``check()``) once per
+      process before it first decides, unless the app's start-up asked it already;
+      one that does not answer raises :class:`StoreCheckError` (the request fails,
+      and the next asks again). ``False``: never ask; the limiter's
+      ``on_store_error`` policy answers.
 
     When several limits apply to a request and one refuses, the others' charges
     are refunded and their permits released: the request did not run. The
@@ -263,8 +269,11 @@ class LimitSettings(Generic[R]):
         storage: str | None = None,
         headers: Headers | None = None,
         on_refusal: RefusalHook | None = None,
+        check_store: bool = True,
     ) -> None:
         self.max_wait = _check_max_wait(max_wait)
+        #: Whether the store of a Redis limiter is asked before it first decides.
+        self.checks_store = bool(check_store)
         if key is None:
             key = type(self).default_key
         if not callable(key):
@@ -513,8 +522,9 @@ class RequestLimits:
     """The limits applied to one request, in order; the one writer of its fields;
     the holder of its permits until the response ends.
 
-    ``headers`` (the header profiles of limits that name none) and ``on_refusal``
-    (the refusal hook of limits that have none) are the app's, set by the adapter
+    ``headers`` (the header profiles of limits that name none), ``on_refusal``
+    (the refusal hook of limits that have none) and ``check_store`` (``False``: no
+    limit asks its store before it first decides) are the app's, set by the adapter
     (Flask's extension, the ASGI middleware, Django's settings).
 
     The permits of its limits (``concurrency=``) are released by :meth:`close`,
@@ -524,14 +534,27 @@ class RequestLimits:
     ``ttl`` keeps its slot.
     """
 
-    __slots__ = ("_renew_at", "_ttl", "closing", "entries", "headers", "on_refusal", "permits")
+    __slots__ = (
+        "_renew_at",
+        "_ttl",
+        "checks_store",
+        "closing",
+        "entries",
+        "headers",
+        "on_refusal",
+        "permits",
+    )
 
     def __init__(
-        self, headers: tuple[str, ...] | None = None, on_refusal: RefusalHook | None = None
+        self,
+        headers: tuple[str, ...] | None = None,
+        on_refusal: RefusalHook | None = None,
+        check_store: bool = True,
     ) -> None:
         self.entries: list[_Entry] = []
         self.headers = profiles.DEFAULT if headers is None else headers
         self.on_refusal = on_refusal
+        self.checks_store = check_store
         #: The permits the request holds, until :meth:`close`.
         self.permits: list[Any] = []
         #: Whether an adapter has arranged for :meth:`close` at the end of a streamed

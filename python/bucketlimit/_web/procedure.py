@@ -17,6 +17,7 @@ from bucketlimit._reservations import AsyncReservationLike, ReservationLike
 from bucketlimit._web.fields import Applied
 from bucketlimit._web.limiters import AnyLimiter, ConcurrencyLimiterLike, is_limiter
 from bucketlimit._web.reservations import AsyncReservation, Reservation
+from bucketlimit._web.startup import check_now, unchecked
 from bucketlimit._web.waiting import ClientDisconnected, permit_waiting, token_waiting
 
 if TYPE_CHECKING:
@@ -63,6 +64,10 @@ def apply_limit(
     limiter, name = cast(AnyLimiter, chosen), limit.name  # None: concurrency alone
     if chosen is not None and not is_limiter(chosen):  # a plan function: this request's
         limiter, name = limit.chosen((yield cast(Step, (chosen, (request,)))))
+    if limit.checks_store and limits.checks_store:  # a store not asked yet in this process
+        for each in (limiter, limit.concurrency):
+            if unchecked(each):
+                yield check_now, (limit, each)
     permit: Any = None  # the request's permit (concurrency=): taken before its tokens
     before: tuple[Applied, ...] = ()
     concurrency = limit.concurrency
