@@ -43,13 +43,13 @@ import functools
 import importlib
 import inspect
 import json
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
-from django.urls import Resolver404, resolve
+from django.urls import Resolver404, get_resolver, resolve
 
 from bucketlimit import _config
 from bucketlimit._core import Decision
@@ -69,6 +69,7 @@ from bucketlimit._web.limits import (
     LimitSettings,
     RefusalHook,
     RequestLimits,
+    qualified_name,
     run,
     run_async,
 )
@@ -103,6 +104,7 @@ _REFUSED = "_bucketlimit_refused"  # a limit of this request refused it
 _RELEASES = "_bucketlimit_releases"  # the middleware releases this request's permits
 _EXEMPT = "__bucketlimit_exempt__"  # a view's mark: the middleware's limits skip it
 _OWN_LIMITS = "__bucketlimit_overrides_defaults__"  # a view's mark: it has limits of its own
+_LIMITS = "__bucketlimit_limits__"  # a view's limits (its decorators')
 
 
 def _django_request(request: Any) -> HttpRequest:
@@ -291,6 +293,8 @@ class Limit(LimitSettings[HttpRequest]):
     """
 
     default_key = staticmethod(remote_address)
+    #: Whether it decorates views (else it is an app-wide limit, or a throttle's).
+    _decorates = False
 
     def check_limiter(self, limiter: AnyLimiter | ConcurrencyLimiterLike) -> None:
         if is_concurrency_limiter(limiter) and is_async_limiter(limiter):
@@ -305,7 +309,10 @@ class Limit(LimitSettings[HttpRequest]):
 
     def __call__(self, view: F) -> F:
         """Limits one view (a function, or ``method_decorator(limit)`` on a class's
-        ``dispatch``). Stack several, each with its own ``name``."""
+        ``dispatch``). Stack several, each with its own ``name``. A limit string keeps
+        this view's buckets (one set for every view it decorates; ``scope=`` shares
+        them with other limits)."""
+        self._decorates = True
         if iscoroutinefunction(view):
 
             @functools.wraps(view)
@@ -321,6 +328,7 @@ class Limit(LimitSettings[HttpRequest]):
                 return _write_fields(request, _release_after(request, response))
 
             setattr(limited_async, _OWN_LIMITS, True)
+            setattr(limited_async, _LIMITS, (*getattr(view, _LIMITS, ()), self))
             return cast(F, limited_async)
 
         @functools.wraps(view)
@@ -334,6 +342,7 @@ class Limit(LimitSettings[HttpRequest]):
             return _write_fields(request, _release_after(request, response))
 
         setattr(limited, _OWN_LIMITS, True)
+        setattr(limited, _LIMITS, (*getattr(view, _LIMITS, ()), self))
         return cast(F, limited)
 
     def check(self, request: HttpRequest) -> Any:
@@ -342,6 +351,8 @@ class Limit(LimitSettings[HttpRequest]):
         off)."""
         if not _enabled():
             return None
+        if not self.attached:
+            self.attach(_route_of(self, request))
         _, refused = run(
             self.procedure(request, lambda: _request_limits(request), _describe, _hold_sync)
         )
@@ -351,6 +362,8 @@ class Limit(LimitSettings[HttpRequest]):
         """Applies the limit in async code (an async limiter is awaited)."""
         if not _enabled():
             return None
+        if not self.attached:
+            self.attach(_route_of(self, request))
         _, refused = await run_async(
             self.procedure(request, lambda: _request_limits(request), _describe, AsyncReservation)
         )
@@ -362,6 +375,30 @@ class Limit(LimitSettings[HttpRequest]):
 
 #: ``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``.
 limit = Limit
+
+
+def _patterns(patterns: Iterable[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(route, view)`` of every URL pattern, in the URLconf's order."""
+    for pattern in patterns:
+        route = prefix + str(pattern.pattern)
+        if hasattr(pattern, "url_patterns"):  # an include()
+            yield from _patterns(pattern.url_patterns, route)
+        else:
+            yield route, pattern.callback
+
+
+def _route_of(limit: Limit, request: Any) -> str | None:
+    """The first URL pattern (in the URLconf's order) whose view the limit decorates;
+    for a view the patterns do not show (``method_decorator`` on a class's
+    ``dispatch``), the request's route; ``None`` for an app-wide limit."""
+    django_request = _django_request(request)
+    resolver = get_resolver(getattr(django_request, "urlconf", None))
+    for route, view in _patterns(resolver.url_patterns):
+        if limit in getattr(view, _LIMITS, ()):
+            return route
+    if not limit._decorates:
+        return None
+    return getattr(getattr(django_request, "resolver_match", None), "route", None)
 
 
 def exempt(view: F) -> F:
@@ -571,6 +608,14 @@ class LimitThrottle:
     """
 
     limit: Limit
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A throttle's limit string keeps the throttle's buckets, on every view that
+        uses it (as DRF's throttles share their cache keys across views)."""
+        super().__init_subclass__(**kwargs)
+        limit = cls.__dict__.get("limit")
+        if isinstance(limit, Limit):
+            limit.attach(qualified_name(cls))
 
     def __init__(self) -> None:
         if not isinstance(getattr(type(self), "limit", None), Limit):

@@ -102,6 +102,7 @@ __all__ = [
     "remote_address",
     "reservation",
     "reserve",
+    "shared_limit",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -114,6 +115,7 @@ _OFF = "bucketlimit.off"  # environ: the app's limits are off (RATELIMIT_ENABLED
 _EXTENSION = "bucketlimit"  # app.extensions: the app's _AppLimits
 _EXEMPT = "__bucketlimit_exempt__"  # a view's mark: the app's limits skip it
 _OWN_LIMITS = "__bucketlimit_overrides_defaults__"  # a view's mark: it has limits of its own
+_LIMITS = "__bucketlimit_limits__"  # a view's limits (its decorators')
 
 
 def client_address(
@@ -341,7 +343,8 @@ class Limit(LimitSettings[Request]):
     def __call__(self, view: F) -> F:
         """Limits one view. Stack several, each with its own ``name``. The app's
         default limits (``RATELIMIT_DEFAULT``) no longer apply to it, unless
-        ``override_defaults=False``."""
+        ``override_defaults=False``. A limit string keeps this view's buckets (one
+        set for every view it decorates; ``scope=`` shares them with other limits)."""
 
         @functools.wraps(view)
         def limited(*args: Any, **kwargs: Any) -> Any:
@@ -356,6 +359,7 @@ class Limit(LimitSettings[Request]):
 
         if self.override_defaults or getattr(view, _OWN_LIMITS, False):
             setattr(limited, _OWN_LIMITS, True)
+        setattr(limited, _LIMITS, (*getattr(view, _LIMITS, ()), self))
         return cast(F, limited)
 
     def check(self) -> Any:
@@ -367,6 +371,8 @@ class Limit(LimitSettings[Request]):
         limits = _request_limits(request)
         if limits is None:  # RATELIMIT_ENABLED is off
             return None
+        if not self.attached:
+            self.attach(_endpoint_of(self))
         _, refused = run(self.procedure(request, lambda: limits, _describe, _hold))
         if not refused:
             return None
@@ -384,12 +390,28 @@ class Limit(LimitSettings[Request]):
 limit = Limit
 
 
+def shared_limit(limit: str, scope: str, **options: Any) -> Limit:
+    """flask-limiter's ``shared_limit``: a limit string whose buckets are the
+    ``scope``'s, shared by every view it decorates and every limit of that scope
+    (``Limit(limit, scope=scope, ...)``), in process and in Redis alike."""
+    return Limit(limit, scope=scope, **options)
+
+
 def exempt(view: F) -> F:
     """Marks a view that the app's limits (the :class:`RateLimit` extension's
     application and default limits) skip: no charge, no fields. A view's own
     ``@limit`` still applies."""
     setattr(view, _EXEMPT, True)
     return view
+
+
+def _endpoint_of(limit: Limit) -> str | None:
+    """The first endpoint of the app (in the order they were added) whose view the
+    limit decorates; ``None`` for an app-wide limit."""
+    for endpoint, view in current_app.view_functions.items():
+        if limit in getattr(view, _LIMITS, ()):
+            return str(endpoint)
+    return None
 
 
 def _view() -> Any:
@@ -558,6 +580,8 @@ class RateLimit:
 
     #: ``@ext.exempt`` on a view: :func:`exempt`.
     exempt = staticmethod(exempt)
+    #: ``@ext.shared_limit("100/hour", scope="mysql")``: :func:`shared_limit`.
+    shared_limit = staticmethod(shared_limit)
 
     @property
     def shadow_refusals(self) -> int:

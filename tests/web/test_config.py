@@ -116,13 +116,13 @@ def test_the_factory_in_memory() -> None:
     with pytest.raises(ValueError, match="storage must be a URI"):
         bucketlimit.limiter("1/second", storage="memcached://localhost")
     with pytest.raises(ValueError, match="async_=True needs a Redis"):
-        bucketlimit.limiter("1/second", async_=True)
+        bucketlimit.limiter("1/second", async_=True)  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="storage must be a URI"):
         bucketlimit.limiter("1/second", storage="async+memory://")
     with pytest.raises(TypeError, match="limit must be"):
-        bucketlimit.limiter(5)  # type: ignore[arg-type]
+        bucketlimit.limiter(5)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="storage must be"):
-        bucketlimit.limiter("1/second", storage=None)  # type: ignore[arg-type]
+        bucketlimit.limiter("1/second", storage=None)  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="'5/eon'"):
         bucketlimit.limiter("5/eon")
 

@@ -72,11 +72,18 @@ class StoreLimiter:
         self.inner.refund(key, cost)
 
 
-def fastapi_statuses(app: FastAPI, count: int) -> list[int]:
+def fastapi_statuses(app: FastAPI, count: int, *closing: bl_fastapi.Limit) -> list[int]:
+    """The statuses of ``count`` requests; then the asyncio Redis clients of
+    ``closing`` are closed in the same event loop (they are shared per URI)."""
+
     async def calls() -> list[int]:
         transport = httpx.ASGITransport(app=app, client=(PEER, 1), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            return [(await client.get("/")).status_code for _ in range(count)]
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                return [(await client.get("/")).status_code for _ in range(count)]
+        finally:
+            for limit in closing:
+                await limit.limiter.client.aclose()  # type: ignore[union-attr]
 
     return asyncio.run(calls())
 
@@ -189,14 +196,14 @@ def dead_url() -> str:
 def test_a_route_limit_string_on_a_dead_store_fails_instead_of_admitting(dead_url: str) -> None:
     """The issue's case: ``Depends(Limit("5/minute", storage=dead))`` admitted 20 of 400
     under 4 workers; now every request fails as the peers' do, until the store answers."""
-    app = fastapi_route(bl_fastapi.Limit("5/minute", storage=dead_url))
-    assert fastapi_statuses(app, 8) == [500] * 8, "a dead store admits nobody"
-    lenient = fastapi_route(bl_fastapi.Limit("5/minute", storage=dead_url, check_store=False))
-    answered = fastapi_statuses(lenient, 8)
+    limit = bl_fastapi.Limit("5/minute", storage=dead_url)
+    assert fastapi_statuses(fastapi_route(limit), 8, limit) == [500] * 8, "nobody admitted"
+    lenient = bl_fastapi.Limit("5/minute", storage=dead_url, check_store=False)
+    answered = fastapi_statuses(fastapi_route(lenient), 8, lenient)
     assert 500 not in answered, f"check_store=False: the policy answers, got {answered}"
 
 
 @pytest.mark.redis
 def test_a_route_limit_string_on_a_live_store(redis_url: str) -> None:
-    app = fastapi_route(bl_fastapi.Limit("5/minute", storage=redis_url))
-    assert fastapi_statuses(app, 6) == [200] * 5 + [429]
+    limit = bl_fastapi.Limit("5/minute", storage=redis_url)
+    assert fastapi_statuses(fastapi_route(limit), 6, limit) == [200] * 5 + [429]

@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, cast
+from urllib.parse import quote
 
 from bucketlimit import _config, _errors
 from bucketlimit._core import ConcurrencyLimiter, Decision
@@ -38,7 +39,7 @@ from bucketlimit._web.limiters import (
     is_concurrency_limiter,
     is_limiter,
 )
-from bucketlimit._web.procedure import H, Procedure, apply_limit
+from bucketlimit._web.procedure import H, Procedure, apply_limit, apply_limits
 from bucketlimit._web.reservations import AsyncReservation, Reservation
 from bucketlimit._web.waiting import ClientDisconnected, Waiting
 
@@ -140,6 +141,7 @@ if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
         on_refusal: RefusalHook | None
         concurrency: Concurrency | None
         check_store: bool
+        scope: str | None
 
 
 def _check_functions(cost: object, exempt: object, on_refusal: object) -> None:
@@ -163,13 +165,57 @@ def _check_max_wait(max_wait: float) -> float:
     return max_wait
 
 
-def _check_name(name: str) -> str:
+def _check_name(name: str, what: str = "name") -> str:
     if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
+        raise TypeError(f"{what} must be a str, got {type(name).__name__}")
     # An RFC 9651 String holds printable ASCII only.
     if not name or not all(" " <= ch <= "~" for ch in name):
-        raise ValueError(f"name must be non-empty printable ASCII, got {name!r}")
+        raise ValueError(f"{what} must be non-empty printable ASCII, got {name!r}")
     return name
+
+
+def _limit_texts(text: str) -> list[str]:
+    """The limits of a limit string (several joined by ``;``), each checked."""
+    try:
+        return _config.split_limits(text)
+    except ValueError as error:
+        raise LimitStringError(
+            f"{error}; a Limit takes a limiter, a function of the request returning one, "
+            "or a limit string (several joined by ';')"
+        ) from None
+
+
+def qualified_name(thing: object) -> str:
+    """A class's (or function's) module and qualified name (``myapp.throttles.Burst``),
+    the same in every process."""
+    module = getattr(thing, "__module__", None) or "?"
+    qualname = getattr(thing, "__qualname__", None) or getattr(thing, "__name__", "?")
+    return f"{module}.{qualname}"
+
+
+def bucket_prefix(scope: str, text: str) -> str:
+    """The Redis prefix of a limit string's buckets: the scope they belong to (a
+    route, a shared scope, the limit's name) and the limit itself, so that each
+    (scope, limit) has its own buckets, as each in-process limiter has; braces
+    (a key's hash tag) and colons are escaped."""
+    capacity, rate, per = _config.parse_limit(text)
+    return f"bucketlimit:{quote(scope, safe='/._-~')}:{capacity}:{rate}/{per}:"
+
+
+#: The in-process limiters of limit strings with a shared ``scope=``: one per
+#: (scope, limit), as their Redis prefix names one bucket set per (scope, limit).
+_SCOPED: dict[tuple[str, _config.ParsedLimit], Any] = {}
+
+
+def _in_process(scope: str | None, text: str) -> Any:
+    if scope is None:
+        return _config.limiter(text)
+    parsed = _config.parse_limit(text)
+    with _REGISTRY_LOCK:
+        found = _SCOPED.get((scope, parsed))
+        if found is None:
+            found = _SCOPED[(scope, parsed)] = _config.limiter(parsed)
+        return found
 
 
 def _check_concurrency(concurrency: object) -> ConcurrencyLimiterLike:
@@ -210,7 +256,14 @@ class LimitSettings(Generic[R]):
       request: assigning another takes effect at once.
     - ``storage``: the storage URI of a limit string (``memory://``,
       ``redis://...``); ``None``: the app's (each adapter's :meth:`default_storage`),
-      read when the limit first decides.
+      read when the limit first decides. A limit string may hold several limits
+      joined by ``;`` (``"2/minute;10/hour"``): each is a limit of its own (its
+      :attr:`parts`, named by their strings), all applied in order.
+    - ``scope``: the buckets a limit string's limiter keeps are one set per
+      (scope, limit), the same in process and in Redis: by default the route the
+      limit is applied to (:meth:`attach`), else its name; the same ``scope`` on
+      several limits shares one set of buckets across their routes
+      (flask-limiter's ``shared_limit``).
     - ``key``: a function of the request returning a non-empty ``str`` (default:
       the adapter's ``remote_address``); ``None`` or ``""`` raises
       :class:`KeyFunctionError` rather than sharing one bucket.
@@ -270,6 +323,7 @@ class LimitSettings(Generic[R]):
         headers: Headers | None = None,
         on_refusal: RefusalHook | None = None,
         check_store: bool = True,
+        scope: str | None = None,
     ) -> None:
         self.max_wait = _check_max_wait(max_wait)
         #: Whether the store of a Redis limiter is asked before it first decides.
@@ -281,10 +335,44 @@ class LimitSettings(Generic[R]):
         _check_functions(cost, exempt, on_refusal)
         self.headers = profiles.check_headers(headers)
         self._lock = threading.Lock()
-        # A limit string whose storage is the app's: built when the limit first decides.
+        #: The buckets' shared scope (``scope=``), or ``None``: the route, else the name.
+        self.scope = None if scope is None else _check_name(scope, "scope")
+        self._route: str | None = None
+        self._attached = False
+        #: The limits of a string of several, each a limit of its own, applied in order.
+        self.parts: tuple[LimitSettings[R], ...] = ()
+        # A limit string: built on its storage (else the app's) when first needed.
+        self._text: str | None = None
         self._pending: str | None = None
+        self._storage = storage
+        self._built: Any = None  # the limiter built from it, on ``_built_on``
+        self._built_on = ""
         self._limiter: Any = None
         self._concurrency: ConcurrencyLimiterLike | None = None
+        texts = _limit_texts(limiter) if isinstance(limiter, str) else []
+        if len(texts) > 1:
+            self.parts = tuple(
+                type(self)(
+                    text,
+                    name=text if name is None else f"{name} {text}",
+                    concurrency=concurrency if i == 0 else None,
+                    key=key,
+                    cost=cost,
+                    shadow=shadow,
+                    exempt=exempt,
+                    pk=pk,
+                    max_wait=max_wait,
+                    storage=storage,
+                    headers=headers,
+                    on_refusal=on_refusal,
+                    check_store=check_store,
+                    scope=scope,
+                )
+                for i, text in enumerate(texts)
+            )
+            limiter = concurrency = storage = None
+            if name is None:
+                name = ";".join(texts)
         if is_concurrency_limiter(limiter) and not is_limiter(limiter):
             if concurrency is not None:
                 raise TypeError(
@@ -295,7 +383,7 @@ class LimitSettings(Generic[R]):
         if concurrency is not None:
             self.concurrency = concurrency
         if limiter is None:
-            if concurrency is None:
+            if concurrency is None and not self.parts:
                 raise TypeError(
                     "a Limit needs a limiter (or a function of the request returning one, "
                     "or a limit string), concurrency=, or both"
@@ -305,20 +393,11 @@ class LimitSettings(Generic[R]):
                     f"storage= is for a limit string, not for concurrency={concurrency!r}"
                 )
         elif isinstance(limiter, str):
-            text = limiter.strip()
-            try:
-                _config.parse_limit(text)  # a bad string fails here, naming it
-            except ValueError as error:
-                raise LimitStringError(
-                    f"{error}; a Limit takes a limiter, a function of the request "
-                    "returning one, or a limit string"
-                ) from None
+            if storage is not None:
+                _config.storage_scheme(storage)  # a bad URI fails here
+            self._text = self._pending = texts[0]
             if name is None:
-                name = text
-            if storage is None:
-                self._pending = text
-            else:
-                self.limiter = self.build(text, storage)
+                name = texts[0]
         elif storage is not None:
             raise TypeError(f"storage= is for a limit string, not for a limiter: {limiter!r}")
         else:
@@ -338,9 +417,53 @@ class LimitSettings(Generic[R]):
 
     def build(self, text: str, storage: str) -> Any:
         """The limiter of a limit string on ``storage`` (:func:`bucketlimit.limiter`:
-        the asyncio Redis limiter where this adapter is asyncio)."""
-        asyncio = _config.storage_scheme(storage)[0] != _config.MEMORY and self.storage_asyncio
-        return _config.limiter(text, storage=storage, async_=asyncio)
+        the asyncio Redis limiter where this adapter is asyncio), keeping one set of
+        buckets per (:attr:`bucket_scope`, limit) on every storage: in process, this
+        limit's own limiter (or its ``scope``'s, shared); in Redis, a prefix naming
+        them (:func:`bucket_prefix`)."""
+        if _config.storage_scheme(storage)[0] == _config.MEMORY:
+            return _in_process(self.scope, text)
+        return _config.limiter(
+            text,
+            storage=storage,
+            async_=True if self.storage_asyncio else None,
+            prefix=bucket_prefix(self.bucket_scope, text),
+        )
+
+    @property
+    def bucket_scope(self) -> str:
+        """Whose buckets a limit string's limiter keeps: the ``scope`` given, else the
+        route the limit was attached to, else the limit's name."""
+        return self.scope or self._route or self.name
+
+    @property
+    def attached(self) -> bool:
+        """Whether :meth:`attach` has said where the limit applies."""
+        return self._attached
+
+    def attach(self, route: str | None) -> None:
+        """Says which route the limit is applied to (``None``: none, as for an app-wide
+        limit), so that a limit string keeps that route's buckets
+        (:attr:`bucket_scope`). The first call wins: one limit applied to several
+        routes keeps one set of buckets, as one in-process limiter does. The adapters
+        call it before the limit first decides, naming the first route of the app
+        (in the app's own order, so the same in every process) that applies it: an
+        endpoint (Flask), a URL pattern (Django), a method and path (FastAPI,
+        Litestar); a DRF throttle's limit is its throttle class's."""
+        for part in self.parts:
+            part.attach(route)
+        with self._lock:
+            if self._attached:
+                return
+            self._attached, self._route = True, route
+            built, storage = self._built, self._built_on
+            # Built already under its name (read early): named after the route instead.
+            stale = route is not None and built is not None and self._limiter is built
+            if stale and (self.scope is not None or storage.startswith(_config.MEMORY)):
+                stale = False  # the same buckets either way
+            if stale:
+                self._built = self.build(cast(str, self._text), storage)
+                self._limiter = self._built
 
     def default_storage(self) -> str:
         """The storage of a limit string given none: the app's, where the adapter
@@ -348,29 +471,28 @@ class LimitSettings(Generic[R]):
         else ``memory://``. Read once, when the limit first decides."""
         return "memory://"
 
-    def _bind(self) -> None:
+    def _bind(self, storage: str | None) -> None:
         with self._lock:
             text = self._pending
-            if text is not None:
-                self.limiter = self.build(text, self.default_storage())
+            if text is None:
+                return
+            where = self._storage or storage or self.default_storage()
+            self._built, self._built_on = self.build(text, where), where
+            self.limiter = self._built
 
     @property
     def bound(self) -> bool:
-        """False while a limit string waits for the app's storage (until it first
-        decides, or :attr:`limiter` is read)."""
-        return self._pending is None
+        """False while a limit string waits for its storage (until it first decides,
+        or :attr:`limiter` is read, or :meth:`bind`)."""
+        return self._pending is None and all(part.bound for part in self.parts)
 
     def bind(self, storage: str | None = None) -> None:
-        """Builds a limit string's limiter now, on ``storage`` (default: the app's,
-        :meth:`default_storage`); nothing for a limit that has its limiter."""
-        if self._pending is None:
-            return
-        if storage is None:
-            self._bind()
-            return
-        with self._lock:
-            if self._pending is not None:
-                self.limiter = self.build(self._pending, storage)
+        """Builds a limit string's limiter now: on its own ``storage=``, else on
+        ``storage`` (the app's), else on :meth:`default_storage`; nothing for a limit
+        that has its limiter."""
+        for part in self.parts:
+            part.bind(storage)
+        self._bind(storage)
 
     @property
     def limiter(self) -> AnyLimiter | PlanFunc[R] | None:
@@ -378,7 +500,7 @@ class LimitSettings(Generic[R]):
         concurrency alone); assign to replace it. A limit string waiting for the
         app's storage is built on it when first read."""
         if self._pending is not None:
-            self._bind()
+            self._bind(None)
         return cast("AnyLimiter | PlanFunc[R] | None", self._limiter)
 
     @limiter.setter
@@ -475,7 +597,10 @@ class LimitSettings(Generic[R]):
     ) -> Procedure[tuple[H | None, bool]]:
         """Applies this limit to ``request``: the one procedure of every adapter,
         :func:`bucketlimit._web.procedure.apply_limit` (which says what it yields and
-        returns), driven by :func:`run` or :func:`run_async`."""
+        returns), driven by :func:`run` or :func:`run_async`; a limit of several
+        (:attr:`parts`) applies each in order (:func:`apply_limits`)."""
+        if self.parts:
+            return apply_limits(self.parts, request, limits_of, describe, hold)
         return apply_limit(self, request, limits_of, describe, hold)
 
     def partition_key(self, name: str, key: str) -> bytes | None:
@@ -523,8 +648,9 @@ class RequestLimits:
     the holder of its permits until the response ends.
 
     ``headers`` (the header profiles of limits that name none), ``on_refusal``
-    (the refusal hook of limits that have none) and ``check_store`` (``False``: no
-    limit asks its store before it first decides) are the app's, set by the adapter
+    (the refusal hook of limits that have none), ``check_store`` (``False``: no
+    limit asks its store before it first decides) and ``storage`` (where a limit
+    string that names none keeps its buckets) are the app's, set by the adapter
     (Flask's extension, the ASGI middleware, Django's settings).
 
     The permits of its limits (``concurrency=``) are released by :meth:`close`,
@@ -543,6 +669,7 @@ class RequestLimits:
         "headers",
         "on_refusal",
         "permits",
+        "storage",
     )
 
     def __init__(
@@ -550,11 +677,13 @@ class RequestLimits:
         headers: tuple[str, ...] | None = None,
         on_refusal: RefusalHook | None = None,
         check_store: bool = True,
+        storage: str | None = None,
     ) -> None:
         self.entries: list[_Entry] = []
         self.headers = profiles.DEFAULT if headers is None else headers
         self.on_refusal = on_refusal
         self.checks_store = check_store
+        self.storage = storage
         #: The permits the request holds, until :meth:`close`.
         self.permits: list[Any] = []
         #: Whether an adapter has arranged for :meth:`close` at the end of a streamed
