@@ -19,7 +19,7 @@ if not settings.configured:
 from django.http import HttpRequest, HttpResponse
 from django.test import Client, override_settings
 from django.urls import path
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from flask import Flask
 from litestar import Litestar, get
 from litestar.testing import TestClient as LitestarClient
@@ -130,3 +130,16 @@ def test_django_checks_when_it_builds_the_middleware() -> None:
         Client().get("/")  # the test client builds the handler (and its middleware) now
     with override_settings(BUCKETLIMIT_CHECK_STORE=False):
         assert Client().get("/").status_code == 200
+
+
+def test_the_fastapi_middleware_asks_the_routes_stores_at_lifespan_startup(dead_url: str) -> None:
+    """Route limits (``Depends``) are the app's too: a dead store behind one fails the
+    start-up, before any request; the app's ``storage=`` is theirs."""
+    route = bl_fastapi.Limit("5/minute", name="route")
+    app = FastAPI()
+    app.add_middleware(bl_fastapi.RateLimitMiddleware, storage=dead_url)
+    app.get("/", dependencies=[Depends(route)])(lambda: "hi")
+    with pytest.raises(RuntimeError), TestClient(app):  # startup failed
+        pass
+    assert "redis" in type(route.limiter).__module__, "bound to the app's storage at start-up"
+    assert "GET /" in route.limiter.prefix, "named after its route"  # type: ignore[union-attr]

@@ -199,7 +199,7 @@ def bucket_prefix(scope: str, text: str) -> str:
     (scope, limit) has its own buckets, as each in-process limiter has; braces
     (a key's hash tag) and colons are escaped."""
     capacity, rate, per = _config.parse_limit(text)
-    return f"bucketlimit:{quote(scope, safe='/._-~')}:{capacity}:{rate}/{per}:"
+    return f"bucketlimit:{quote(scope, safe='/._-~ ')}:{capacity}:{rate}/{per}:"
 
 
 #: The in-process limiters of limit strings with a shared ``scope=``: one per
