@@ -266,6 +266,16 @@ def _write_fields(limits: RequestLimits, response: Response) -> Response:
     return response
 
 
+def _config_headers(config: Any) -> tuple[str, ...] | None:
+    """The header profile ``RATELIMIT_HEADERS_ENABLED`` asks for, as flask-limiter
+    reads it: ``True`` its ``X-RateLimit-*`` fields (``legacy``), ``False`` none;
+    unset, the default (draft-11's fields)."""
+    enabled = config.get("RATELIMIT_HEADERS_ENABLED")
+    if enabled is None:
+        return None
+    return (profiles.LEGACY,) if enabled else ()
+
+
 def _request_limits(request: Request) -> RequestLimits | None:
     """This request's limits (kept in its WSGI environ), with the app's header
     profile and refusal hook, or ``None`` when the app's limits are off
@@ -281,7 +291,7 @@ def _request_limits(request: Request) -> RequestLimits | None:
         if not current_app.config.get("RATELIMIT_ENABLED", True):
             environ[_OFF] = True
             return None
-        limits = environ[_STATE] = RequestLimits()
+        limits = environ[_STATE] = RequestLimits(_config_headers(current_app.config))
         # Runs on the final response, error responses included, after every
         # limit of the request has decided: one RateLimit field, never two.
         flask.after_this_request(functools.partial(_write_fields, limits))
@@ -436,7 +446,8 @@ class RateLimit:
     - ``key``: the key function of the limits it builds (default: the peer address);
     - ``enabled`` (``RATELIMIT_ENABLED``): ``False`` turns every limit of the app off;
     - ``headers``: the header profile(s) of limits that name none (default
-      ``"draft-11"``); ``RATELIMIT_HEADERS_ENABLED = False`` sends none;
+      ``"draft-11"``); without it, ``RATELIMIT_HEADERS_ENABLED = True`` sends
+      flask-limiter's ``X-RateLimit-*`` fields (``"legacy"``), ``False`` none;
     - ``on_refusal(request, refusal)``: the response of a refusal by any limit that
       has none of its own (default: raise :class:`RateLimitExceeded`);
     - ``check_store``: at ``init_app``, ask every Redis store behind the app's limits
@@ -506,9 +517,7 @@ class RateLimit:
         enabled = self._enabled
         if enabled is None:
             enabled = bool(config.get("RATELIMIT_ENABLED", True))
-        headers = self.headers
-        if not config.get("RATELIMIT_HEADERS_ENABLED", True):
-            headers = ()
+        headers = self.headers if self.headers is not None else _config_headers(config)
         application_texts = self._application
         if application_texts is None:
             found = config.get("RATELIMIT_APPLICATION")
