@@ -163,7 +163,8 @@ class RateLimitExceeded(TooManyRequests):
     """
 
     def __init__(self, refusal: Refusal) -> None:
-        super().__init__(description=str(_detail(refusal.body)))
+        # flask-limiter's description: the limit, "5 per 1 minute".
+        super().__init__(description=str(refusal))
         self.code = refusal.status
         self.refusal = refusal
 
@@ -173,13 +174,6 @@ class RateLimitExceeded(TooManyRequests):
 
     def get_response(self, environ: Any = None, scope: Any = None) -> Response:
         return _refusal_response(self.refusal)
-
-
-def _detail(body: dict[str, object]) -> object:
-    error = body.get("error")
-    if isinstance(error, dict):  # OpenAI's shape
-        return error.get("message", "")
-    return body.get("detail", "")
 
 
 def _refusal_response(refusal: Refusal) -> Response:

@@ -25,6 +25,7 @@ from bucketlimit._web import profiles
 from bucketlimit._web.fields import (
     Applied,
     Refusal,
+    describe_limit,
     partition_key,
     ratelimit_fields,
     refusal_body,
@@ -796,7 +797,8 @@ class RequestLimits:
             body = profiles.openai_body(applied)
         else:
             body = refusal_body(applied)
-        return Refusal(refusal_status(applied), headers, body, applied.decision)
+        status = refusal_status(applied)
+        return Refusal(status, headers, body, applied.decision, describe_limit(applied))
 
     def refusal_hook(self) -> RefusalHook | None:
         """The ``on_refusal`` of the refusing limit, else the app's, else ``None``."""
