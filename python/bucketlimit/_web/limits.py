@@ -432,6 +432,14 @@ class LimitSettings(Generic[R]):
         )
 
     @property
+    def limit_string(self) -> str | None:
+        """The limit string whose limiter this limit uses (``"5/minute"``), or ``None``
+        when it was given a limiter (or one was assigned since)."""
+        if self._pending is not None or (self._built is not None and self._limiter is self._built):
+            return self._text
+        return None
+
+    @property
     def bucket_scope(self) -> str:
         """Whose buckets a limit string's limiter keeps: the ``scope`` given, else the
         route the limit was attached to, else the limit's name."""
