@@ -44,7 +44,7 @@ import importlib
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
@@ -582,7 +582,16 @@ class RateLimitMiddleware:
         return _write_fields(request, _release_after(request, rewritten))
 
 
-class LimitThrottle:
+if TYPE_CHECKING:
+    # To a type checker a DRF throttle (its stubs type ``throttle_classes`` so). At
+    # run time DRF only calls the methods, and importing DRF's throttling module
+    # would read the settings before they exist.
+    from rest_framework.throttling import BaseThrottle as _Throttle
+else:
+    _Throttle = object
+
+
+class LimitThrottle(_Throttle):
     """A Django REST framework throttle applying a :class:`Limit`.
 
     ::
