@@ -1,7 +1,7 @@
-"""The store behind an app's limits is checked when the app starts (issue 19 A2):
-Flask's init_app, the ASGI middleware's lifespan start-up (FastAPI, Starlette),
-Litestar's on_startup, Django's middleware; a dead store fails the start, naming
-the limit; a live one starts; each check can be turned off."""
+"""The store behind an app's limits is checked when the app starts: Flask's
+init_app, the ASGI middleware's lifespan start-up (FastAPI, Starlette, the routes'
+limits too), Litestar's on_startup, Django's middleware; a dead store fails the
+start, naming the limit; a live one starts; each check can be turned off."""
 
 from __future__ import annotations
 
