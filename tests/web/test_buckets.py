@@ -289,3 +289,20 @@ def test_litestar_two_handlers_keep_their_own_buckets(storage: str) -> None:
             route: admitted([client.get(route).status_code for _ in range(8)]) for route in ROUTES
         }
     assert counts == {"/login": 5, "/signup": 5}
+
+
+def test_a_limit_of_several_on_a_fake_clock() -> None:
+    """limits_on_clock twins each part of a string of several, and gives them back."""
+    from bucketlimit.testing import limits_on_clock
+
+    several = bl_flask.Limit("2/minute;3/hour")
+    originals = [part.limiter for part in several.parts]
+    with limits_on_clock() as clock:
+        app = Flask(__name__)
+        app.add_url_rule("/", "index", several(lambda: "hi"))
+        client = app.test_client()
+        assert [client.get("/").status_code for _ in range(3)] == [200, 200, 429]
+        clock.advance(60)  # the minute's refill; the hour's one left
+        assert [client.get("/").status_code for _ in range(2)] == [200, 429]
+    assert [part.limiter for part in several.parts] == originals, "each part's own limiter back"
+    assert several.limiter is None, "a limit of several has no limiter of its own"

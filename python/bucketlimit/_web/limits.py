@@ -514,7 +514,8 @@ class LimitSettings(Generic[R]):
 
     @limiter.setter
     def limiter(self, limiter: AnyLimiter | PlanFunc[R] | None) -> None:
-        if limiter is None and self._concurrency is not None:  # concurrency alone
+        if limiter is None and (self._concurrency is not None or self.parts):
+            # concurrency alone, or a limit of several (its parts have the limiters)
             self._limiter, self._pending = None, None
             return
         if is_limiter(limiter):
