@@ -293,11 +293,12 @@ def test_litestar_two_handlers_keep_their_own_buckets(storage: str) -> None:
 
 def test_a_limit_of_several_on_a_fake_clock() -> None:
     """limits_on_clock twins each part of a string of several, and gives them back."""
-    from bucketlimit.testing import limits_on_clock
+    from bucketlimit.testing import ManualClock, limits_on_clock
 
     several = bl_flask.Limit("2/minute;3/hour")
     originals = [part.limiter for part in several.parts]
-    with limits_on_clock() as clock:
+    clock = ManualClock()
+    with limits_on_clock(clock):
         app = Flask(__name__)
         app.add_url_rule("/", "index", several(lambda: "hi"))
         client = app.test_client()
