@@ -55,6 +55,7 @@ from bucketlimit import _config
 from bucketlimit._core import Decision
 from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
+from bucketlimit._web.buckets import qualified_name
 from bucketlimit._web.fields import RETRY_AFTER, Refusal, retry_after_seconds
 from bucketlimit._web.limiters import (
     AnyLimiter,
@@ -69,7 +70,6 @@ from bucketlimit._web.limits import (
     LimitSettings,
     RefusalHook,
     RequestLimits,
-    qualified_name,
     run,
     run_async,
 )

@@ -140,8 +140,12 @@ def test_every_adapters_limit_takes_a_limit_string(module: object) -> None:
         limit_class("not a limit")
     assert isinstance(raised.value, ValueError)
     assert isinstance(raised.value, TypeError)
-    with pytest.raises(TypeError, match="storage= is for a limit string"):
+    with pytest.raises(TypeError, match="storage= and scope= are for a limit string"):
         limit_class(TokenBucketLimiter(1, 1), storage="memory://")
+    with pytest.raises(TypeError, match="storage= and scope= are for a limit string"):
+        limit_class(TokenBucketLimiter(1, 1), scope="auth")
+    with pytest.raises(ValueError, match="scope must be non-empty"):
+        limit_class("1/second", scope="")
     with pytest.raises(ValueError, match="storage must be a URI"):
         limit_class("1/second", storage="nowhere://")
 

@@ -17,11 +17,11 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, cast
-from urllib.parse import quote
 
 from bucketlimit import _config, _errors
 from bucketlimit._core import ConcurrencyLimiter, Decision
 from bucketlimit._web import profiles
+from bucketlimit._web.buckets import LimitString
 from bucketlimit._web.fields import (
     Applied,
     Refusal,
@@ -186,39 +186,6 @@ def _limit_texts(text: str) -> list[str]:
         ) from None
 
 
-def qualified_name(thing: object) -> str:
-    """A class's (or function's) module and qualified name (``myapp.throttles.Burst``),
-    the same in every process."""
-    module = getattr(thing, "__module__", None) or "?"
-    qualname = getattr(thing, "__qualname__", None) or getattr(thing, "__name__", "?")
-    return f"{module}.{qualname}"
-
-
-def bucket_prefix(scope: str, text: str) -> str:
-    """The Redis prefix of a limit string's buckets: the scope they belong to (a
-    route, a shared scope, the limit's name) and the limit itself, so that each
-    (scope, limit) has its own buckets, as each in-process limiter has; braces
-    (a key's hash tag) and colons are escaped."""
-    capacity, rate, per = _config.parse_limit(text)
-    return f"bucketlimit:{quote(scope, safe='/._-~ ')}:{capacity}:{rate}/{per}:"
-
-
-#: The in-process limiters of limit strings with a shared ``scope=``: one per
-#: (scope, limit), as their Redis prefix names one bucket set per (scope, limit).
-_SCOPED: dict[tuple[str, _config.ParsedLimit], Any] = {}
-
-
-def _in_process(scope: str | None, text: str) -> Any:
-    if scope is None:
-        return _config.limiter(text)
-    parsed = _config.parse_limit(text)
-    with _REGISTRY_LOCK:
-        found = _SCOPED.get((scope, parsed))
-        if found is None:
-            found = _SCOPED[(scope, parsed)] = _config.limiter(parsed)
-        return found
-
-
 def _check_concurrency(concurrency: object) -> ConcurrencyLimiterLike:
     """``concurrency=`` checked: an int is an in-process ``ConcurrencyLimiter`` of that
     limit (which checks its range), else it must be a concurrency limiter."""
@@ -336,18 +303,12 @@ class LimitSettings(Generic[R]):
         _check_functions(cost, exempt, on_refusal)
         self.headers = profiles.check_headers(headers)
         self._lock = threading.Lock()
-        #: The buckets' shared scope (``scope=``), or ``None``: the route, else the name.
-        self.scope = None if scope is None else _check_name(scope, "scope")
-        self._route: str | None = None
         self._attached = False
         #: The limits of a string of several, each a limit of its own, applied in order.
         self.parts: tuple[LimitSettings[R], ...] = ()
-        # A limit string: built on its storage (else the app's) when first needed.
-        self._text: str | None = None
-        self._pending: str | None = None
-        self._storage = storage
-        self._built: Any = None  # the limiter built from it, on ``_built_on``
-        self._built_on = ""
+        # A limit string's limiter is built on its storage (else the app's) when needed.
+        self._string: LimitString | None = None
+        self._pending = False
         self._limiter: Any = None
         self._concurrency: ConcurrencyLimiterLike | None = None
         texts = _limit_texts(limiter) if isinstance(limiter, str) else []
@@ -371,7 +332,7 @@ class LimitSettings(Generic[R]):
                 )
                 for i, text in enumerate(texts)
             )
-            limiter = concurrency = storage = None
+            limiter = concurrency = storage = scope = None
             if name is None:
                 name = ";".join(texts)
         if is_concurrency_limiter(limiter) and not is_limiter(limiter):
@@ -389,18 +350,18 @@ class LimitSettings(Generic[R]):
                     "a Limit needs a limiter (or a function of the request returning one, "
                     "or a limit string), concurrency=, or both"
                 )
-            if storage is not None:
+            if storage is not None or scope is not None:
                 raise TypeError(
-                    f"storage= is for a limit string, not for concurrency={concurrency!r}"
+                    f"storage= and scope= are for a limit string, not for "
+                    f"concurrency={concurrency!r}"
                 )
         elif isinstance(limiter, str):
-            if storage is not None:
-                _config.storage_scheme(storage)  # a bad URI fails here
-            self._text = self._pending = texts[0]
+            scope = None if scope is None else _check_name(scope, "scope")
+            self._string, self._pending = LimitString(texts[0], storage, scope), True
             if name is None:
                 name = texts[0]
-        elif storage is not None:
-            raise TypeError(f"storage= is for a limit string, not for a limiter: {limiter!r}")
+        elif storage is not None or scope is not None:
+            raise TypeError(f"storage= and scope= are for a limit string, not for {limiter!r}")
         else:
             self.limiter = cast("AnyLimiter | PlanFunc[R]", limiter)
         self.key = key
@@ -416,34 +377,25 @@ class LimitSettings(Generic[R]):
         self._shadow_refusals = 0
         _register(self)
 
-    def build(self, text: str, storage: str) -> Any:
-        """The limiter of a limit string on ``storage`` (:func:`bucketlimit.limiter`:
-        the asyncio Redis limiter where this adapter is asyncio), keeping one set of
-        buckets per (:attr:`bucket_scope`, limit) on every storage: in process, this
-        limit's own limiter (or its ``scope``'s, shared); in Redis, a prefix naming
-        them (:func:`bucket_prefix`)."""
-        if _config.storage_scheme(storage)[0] == _config.MEMORY:
-            return _in_process(self.scope, text)
-        return _config.limiter(
-            text,
-            storage=storage,
-            async_=True if self.storage_asyncio else None,
-            prefix=bucket_prefix(self.bucket_scope, text),
-        )
+    @property
+    def scope(self) -> str | None:
+        """The shared scope of a limit string's buckets (``scope=``), or ``None``."""
+        return None if self._string is None else self._string.scope
 
     @property
     def limit_string(self) -> str | None:
         """The limit string whose limiter this limit uses (``"5/minute"``), or ``None``
         when it was given a limiter (or one was assigned since)."""
-        if self._pending is not None or (self._built is not None and self._limiter is self._built):
-            return self._text
-        return None
+        string = self._string
+        if string is None or not (self._pending or self._limiter is string.built):
+            return None
+        return string.text
 
     @property
     def bucket_scope(self) -> str:
         """Whose buckets a limit string's limiter keeps: the ``scope`` given, else the
         route the limit was attached to, else the limit's name."""
-        return self.scope or self._route or self.name
+        return self.name if self._string is None else self._string.bucket_scope(self.name)
 
     @property
     def attached(self) -> bool:
@@ -464,15 +416,13 @@ class LimitSettings(Generic[R]):
         with self._lock:
             if self._attached:
                 return
-            self._attached, self._route = True, route
-            built, storage = self._built, self._built_on
-            # Built already under its name (read early): named after the route instead.
-            stale = route is not None and built is not None and self._limiter is built
-            if stale and (self.scope is not None or storage.startswith(_config.MEMORY)):
-                stale = False  # the same buckets either way
-            if stale:
-                self._built = self.build(cast(str, self._text), storage)
-                self._limiter = self._built
+            self._attached = True
+            string = self._string
+            if string is not None:
+                in_use = string.built is not None and self._limiter is string.built
+                rebuilt = string.attach(route, in_use, self.name, self.storage_asyncio)
+                if rebuilt is not None:  # built under its name before: now the route's
+                    self._limiter = rebuilt
 
     def default_storage(self) -> str:
         """The storage of a limit string given none: the app's, where the adapter
@@ -482,18 +432,16 @@ class LimitSettings(Generic[R]):
 
     def _bind(self, storage: str | None) -> None:
         with self._lock:
-            text = self._pending
-            if text is None:
+            if not self._pending or self._string is None:
                 return
-            where = self._storage or storage or self.default_storage()
-            self._built, self._built_on = self.build(text, where), where
-            self.limiter = self._built
+            where = storage or self.default_storage()
+            self.limiter = self._string.build(where, self.name, self.storage_asyncio)
 
     @property
     def bound(self) -> bool:
         """False while a limit string waits for its storage (until it first decides,
         or :attr:`limiter` is read, or :meth:`bind`)."""
-        return self._pending is None and all(part.bound for part in self.parts)
+        return not self._pending and all(part.bound for part in self.parts)
 
     def bind(self, storage: str | None = None) -> None:
         """Builds a limit string's limiter now: on its own ``storage=``, else on
@@ -508,7 +456,7 @@ class LimitSettings(Generic[R]):
         """The limiter (or the function choosing one; ``None`` for a limit of
         concurrency alone); assign to replace it. A limit string waiting for the
         app's storage is built on it when first read."""
-        if self._pending is not None:
+        if self._pending:
             self._bind(None)
         return cast("AnyLimiter | PlanFunc[R] | None", self._limiter)
 
@@ -516,7 +464,7 @@ class LimitSettings(Generic[R]):
     def limiter(self, limiter: AnyLimiter | PlanFunc[R] | None) -> None:
         if limiter is None and (self._concurrency is not None or self.parts):
             # concurrency alone, or a limit of several (its parts have the limiters)
-            self._limiter, self._pending = None, None
+            self._limiter, self._pending = None, False
             return
         if is_limiter(limiter):
             self.check_limiter(cast(AnyLimiter, limiter))
@@ -528,7 +476,7 @@ class LimitSettings(Generic[R]):
                 f"returning a limiter: {limiter!r}"
             )
         self._limiter = limiter
-        self._pending = None
+        self._pending = False
 
     @property
     def concurrency(self) -> ConcurrencyLimiterLike | None:
@@ -547,7 +495,7 @@ class LimitSettings(Generic[R]):
         """The policy name of the concurrency limit in the fields: :attr:`name` when
         it is the limit's only policy, else ``"<name>-concurrency"`` (next to the
         limiter's ``name``)."""
-        if self._limiter is None and self._pending is None:
+        if self._limiter is None and not self._pending:
             return self.name
         return f"{self.name}-concurrency"
 
