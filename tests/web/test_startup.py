@@ -143,3 +143,9 @@ def test_the_fastapi_middleware_asks_the_routes_stores_at_lifespan_startup(dead_
         pass
     assert "redis" in type(route.limiter).__module__, "bound to the app's storage at start-up"
     assert "GET /" in route.limiter.prefix, "named after its route"  # type: ignore[union-attr]
+
+
+def test_a_limit_of_several_is_asked_for_each_part(dead_url: str) -> None:
+    several = bl_fastapi.Limit("2/minute;10/hour", storage=dead_url)
+    with pytest.raises(StoreCheckError, match="'2/minute'"), TestClient(fastapi_app(several)):
+        pass

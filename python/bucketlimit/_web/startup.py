@@ -89,11 +89,11 @@ def _answered(limiter: object) -> None:
 
 def _checks(limits: Iterable[Any]) -> list[tuple[Any, Any]]:
     """``(limit, limiter)`` of each limiter (and concurrency limiter) whose store has
-    not answered yet, each limiter once; limits made with ``check_store=False`` are
-    left out."""
+    not answered yet, each limiter once (a limit of several: each part's); limits
+    made with ``check_store=False`` are left out."""
     seen: set[int] = set()
     found = []
-    for limit in limits:
+    for limit in [part for each in limits for part in (getattr(each, "parts", ()) or (each,))]:
         if not getattr(limit, "checks_store", True):
             continue
         for limiter in (limit.limiter, getattr(limit, "concurrency", None)):
