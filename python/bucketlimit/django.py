@@ -401,6 +401,24 @@ def _route_of(limit: Limit, request: Any) -> str | None:
     return getattr(getattr(django_request, "resolver_match", None), "route", None)
 
 
+def _view_limits() -> list[Limit]:
+    """Every limit the URLconf's views apply (their ``@limit``s, their DRF throttles'),
+    each attached to its first URL pattern (as :func:`_route_of` would): what the
+    middleware asks the stores of at start-up."""
+    if getattr(settings, "ROOT_URLCONF", None) is None:
+        return []
+    found: list[Limit] = []
+    for route, view in _patterns(get_resolver().url_patterns):
+        view_class = getattr(view, "view_class", None)
+        throttles = getattr(view_class, "throttle_classes", None) or ()
+        throttled = [getattr(t, "limit", None) for t in throttles]
+        for limit in getattr(view, _LIMITS, ()):
+            limit.attach(route)
+            found.append(limit)
+        found += [limit for limit in throttled if isinstance(limit, Limit)]
+    return found
+
+
 def exempt(view: F) -> F:
     """Marks a view (a function, or a class-based view's class) that the
     middleware's limits (``BUCKETLIMIT_LIMITS``, ``BUCKETLIMIT_DEFAULT_LIMITS``)
@@ -531,7 +549,8 @@ class RateLimitMiddleware:
     ``BUCKETLIMIT_ENABLED``, ``BUCKETLIMIT_HEADERS``, ``BUCKETLIMIT_ON_REFUSAL``.
     When Django builds it (at start-up: the first request of ``runserver``, a
     worker's boot under gunicorn) it asks the Redis store of each configured limit
-    (``check()``) and raises :class:`StoreCheckError` if one does not answer,
+    and of each limit the URLconf's views apply (``@limit``, DRF throttles:
+    ``check()``) and raises :class:`StoreCheckError` if one does not answer,
     unless ``BUCKETLIMIT_CHECK_STORE = False``.
     """
 
@@ -544,7 +563,7 @@ class RateLimitMiddleware:
         if self.is_async:
             markcoroutinefunction(self)
         if _check_store_setting() and _enabled():
-            check_stores([*_configured_limits(), *_default_limits()])
+            check_stores([*_configured_limits(), *_default_limits(), *_view_limits()])
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.is_async:

@@ -6,7 +6,10 @@ start, naming the limit; a live one starts; each check can be turned off."""
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import django
 import pytest
@@ -149,3 +152,42 @@ def test_a_limit_of_several_is_asked_for_each_part(dead_url: str) -> None:
     several = bl_fastapi.Limit("2/minute;10/hour", storage=dead_url)
     with pytest.raises(StoreCheckError, match="'2/minute'"), TestClient(fastapi_app(several)):
         pass
+
+
+VIEWS: list[Any] = []
+# A URLconf module whose urlpatterns is VIEWS, importable by name.
+_urls = types.ModuleType(f"{__name__}_views")
+_urls.urlpatterns = VIEWS  # type: ignore[attr-defined]
+sys.modules[_urls.__name__] = _urls
+
+
+@pytest.fixture
+def django_views_on_a_dead_store(dead_url: str) -> Iterator[None]:
+    from rest_framework.views import APIView
+
+    dead = bl_django.Limit("5/minute", storage=dead_url, name="view")
+
+    class Throttle(bl_django.LimitThrottle):
+        limit = bl_django.Limit("50/minute", storage=dead_url, name="drf")
+
+    class Items(APIView):  # type: ignore[misc]  # DRF has no type information
+        throttle_classes = (Throttle,)
+
+    VIEWS[:] = [path("", hello), path("login", dead(hello)), path("items", Items.as_view())]
+    with override_settings(
+        ROOT_URLCONF=f"{__name__}_views",
+        MIDDLEWARE=["bucketlimit.django.RateLimitMiddleware"],
+        BUCKETLIMIT_LIMITS=[],
+    ):
+        yield
+    VIEWS.clear()
+
+
+@pytest.mark.usefixtures("django_views_on_a_dead_store")
+def test_django_asks_the_stores_of_the_views_limits_when_it_builds_the_middleware() -> None:
+    """The URLconf's ``@limit``s and DRF throttles are the app's too: building the
+    middleware (a worker's start) asks their stores, before any request to them."""
+    with pytest.raises(StoreCheckError, match=r"'view'|'drf'"):
+        Client().get("/")  # a route with no limit: the start failed, not the request
+    with override_settings(BUCKETLIMIT_CHECK_STORE=False):
+        assert Client().get("/").status_code == 200
