@@ -441,7 +441,9 @@ class LimitSettings(Generic[R]):
     def bound(self) -> bool:
         """False while a limit string waits for its storage (until it first decides,
         or :attr:`limiter` is read, or :meth:`bind`)."""
-        return not self._pending and all(part.bound for part in self.parts)
+        if self._pending:
+            return False
+        return not self.parts or all(part.bound for part in self.parts)
 
     def bind(self, storage: str | None = None) -> None:
         """Builds a limit string's limiter now: on its own ``storage=``, else on
