@@ -3,7 +3,7 @@
 Run it from the repository root:
 
     python examples/django_app.py runserver                    # in-process buckets
-    REDIS_URL=redis://127.0.0.1:6390/0 \\
+    REDIS_URL=redis://127.0.0.1:6379/0 \\
         gunicorn --chdir examples django_app:application --workers 4   # shared in Redis
 
     curl -i localhost:8000/hello

@@ -3,7 +3,7 @@
 Run it from the repository root:
 
     uvicorn --app-dir examples fastapi_app:app                  # in-process buckets
-    REDIS_URL=redis://127.0.0.1:6390/0 \\
+    REDIS_URL=redis://127.0.0.1:6379/0 \\
         uvicorn --app-dir examples fastapi_app:app --workers 4  # buckets shared in Redis
 
     curl -i localhost:8000/hello

@@ -3,7 +3,7 @@
 Run it from the repository root:
 
     python examples/flask_app.py                                  # in-process buckets
-    REDIS_URL=redis://127.0.0.1:6390/0 python examples/flask_app.py  # buckets in Redis
+    REDIS_URL=redis://127.0.0.1:6379/0 python examples/flask_app.py  # buckets in Redis
 
     curl -i localhost:5000/hello
     curl -i localhost:5000/v1/complete -H 'content-type: application/json' \\

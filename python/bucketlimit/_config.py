@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, SupportsIndex
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 from bucketlimit._core import TokenBucketLimiter
 
@@ -182,11 +182,50 @@ def _capacity_rate_per(limit: object) -> tuple[Any, Any, Any]:
     )
 
 
+LimitSpec = str | tuple[SupportsIndex, float] | tuple[SupportsIndex, float, float]
+
+
+@overload
 def limiter(
-    limit: str | tuple[SupportsIndex, float] | tuple[SupportsIndex, float, float],
+    limit: LimitSpec,
+    *,
+    storage: Literal["memory://"] = ...,
+    async_: Literal[False] | None = ...,
+    timeout: None = ...,
+    **options: Any,
+) -> TokenBucketLimiter: ...
+@overload
+def limiter(
+    limit: LimitSpec,
+    *,
+    storage: str,
+    async_: Literal[True],
+    timeout: float | None = ...,
+    **options: Any,
+) -> AsyncRedisTokenBucketLimiter: ...
+@overload
+def limiter(
+    limit: LimitSpec,
+    *,
+    storage: str,
+    async_: Literal[False],
+    timeout: float | None = ...,
+    **options: Any,
+) -> TokenBucketLimiter | RedisTokenBucketLimiter: ...
+@overload
+def limiter(
+    limit: LimitSpec,
+    *,
+    storage: str,
+    async_: None = ...,
+    timeout: float | None = ...,
+    **options: Any,
+) -> TokenBucketLimiter | RedisTokenBucketLimiter | AsyncRedisTokenBucketLimiter: ...
+def limiter(
+    limit: LimitSpec,
     *,
     storage: str = "memory://",
-    async_: bool = False,
+    async_: bool | None = None,
     timeout: float | None = None,
     **options: Any,
 ) -> TokenBucketLimiter | RedisTokenBucketLimiter | AsyncRedisTokenBucketLimiter:
@@ -203,7 +242,15 @@ def limiter(
       built for one URI (and kind) shares one client; ``timeout`` is that client's
       (default ``bucketlimit.redis.DEFAULT_TIMEOUT``), ``options`` the limiter's
       (``clock``, ``prefix``, ``on_store_error``, ...). Without ``prefix`` the keys
-      include the limit, so two limits never read each other's buckets.
+      include the limit, so two different limits never read each other's buckets
+      (two limiters of the same limit on one store share them per key).
+
+    ``async_`` says which kind a Redis URI gives: ``None`` (the default) as the URI
+    says, ``True`` the asyncio limiter, ``False`` the blocking one (an ``async+``
+    URI with ``async_=False`` is a ``ValueError``). The type checker knows the
+    class: ``TokenBucketLimiter`` for the default storage, the asyncio limiter for
+    ``async_=True``, a limiter whose ``allow()`` answers at once for
+    ``async_=False``.
 
     ::
 
@@ -212,17 +259,19 @@ def limiter(
     """
     capacity, rate, per = _capacity_rate_per(limit)
     scheme, uri, asyncio = storage_scheme(storage)
-    if not isinstance(async_, bool):
-        raise TypeError(f"async_ must be a bool, got {async_!r}")
+    if async_ is not None and not isinstance(async_, bool):
+        raise TypeError(f"async_ must be a bool or None, got {async_!r}")
     if scheme == MEMORY:
         if async_:
             raise ValueError("async_=True needs a Redis storage: the in-process limiter is sync")
         if timeout is not None:
             raise ValueError("timeout is the Redis client's: memory:// has none")
         return TokenBucketLimiter(capacity, rate, options.pop("clock", None), per=per, **options)
+    if async_ is False and asyncio:
+        raise ValueError(f"async_=False with an async+ storage URI: {storage!r}")
     from bucketlimit import redis as bl_redis
 
-    asyncio = asyncio or async_
+    asyncio = asyncio or bool(async_)
     client = shared_client(uri, asyncio=asyncio, timeout=timeout)
     cls = bl_redis.AsyncRedisTokenBucketLimiter if asyncio else bl_redis.RedisTokenBucketLimiter
     return cls(client, capacity, rate, options.pop("clock", None), per=per, **options)

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Generic, TypeVar, cast
 
+from bucketlimit import _config
 from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
 from bucketlimit._web.fields import RETRY_AFTER, Refusal
@@ -173,16 +174,21 @@ remote_address = client_address()
 
 
 def request_limits(
-    scope: Scope, headers: tuple[str, ...] | None = None, on_refusal: RefusalHook | None = None
+    scope: Scope,
+    headers: tuple[str, ...] | None = None,
+    on_refusal: RefusalHook | None = None,
+    check_store: bool = True,
+    storage: str | None = None,
 ) -> RequestLimits:
     """The request's limits, kept in ``scope["state"]`` (``request.state`` in
     Starlette and Litestar): shared by the middleware, the dependencies and the
     route of one request, fresh for each request. The first to make them (the
-    outermost middleware) gives the app's header profile and refusal hook."""
+    outermost middleware) gives the app's header profile, refusal hook,
+    ``check_store`` and storage."""
     state: dict[str, Any] = scope.setdefault("state", {})
     limits = state.get(_STATE)
     if limits is None:
-        limits = state[_STATE] = RequestLimits(headers, on_refusal)
+        limits = state[_STATE] = RequestLimits(headers, on_refusal, check_store, storage)
     return cast(RequestLimits, limits)
 
 
@@ -359,6 +365,8 @@ class AsgiLimit(LimitSettings[R], Generic[R]):
         the receive stream) ending first cancels the wait and raises
         :class:`ClientDisconnected`, every token of the request given back."""
         scope: Scope = request.scope  # type: ignore[attr-defined]
+        if not self.attached:
+            self.locate(scope)
         if disconnected is None and self.max_wait:
             disconnected = disconnect_watch(scope)
         held, refused = await run_async(
@@ -368,6 +376,12 @@ class AsgiLimit(LimitSettings[R], Generic[R]):
         if held is None:  # exempt: no limit, no charge
             held = AsyncReservation(None, "", 0, None)
         return held, refused
+
+    def locate(self, scope: Scope) -> None:
+        """Attaches the limit to the route of the app (``scope["app"]``) it is applied
+        to, the same in every process (:meth:`LimitSettings.attach`): a framework's
+        subclass reads its routes. A bare ASGI app has none: the limit's name."""
+        self.attach(None)
 
     async def send_response(
         self, response: Any, request: R, scope: Scope, receive: Receive, send: Send
@@ -465,9 +479,9 @@ class RateLimitMiddleware:
       ``Response``; may be ``async def``) for a refusal by a limit that has none;
     - ``check_store``: at the lifespan start-up, ask the Redis store of its limit
       (``check()``); one that does not answer fails the start-up
-      (``lifespan.startup.failed``: uvicorn exits). ``False``: start without
-      asking. Limits on routes (``Depends``): :func:`startup_check` in the app's
-      lifespan asks every limit's store.
+      (``lifespan.startup.failed``: uvicorn exits). Limits on routes are asked
+      before they first decide. ``False``: no limit of the app asks; the limiters'
+      ``on_store_error`` policy answers.
 
     A request waiting ``max_wait`` for its tokens whose client disconnects is
     given up: the wait is cancelled and its tokens come back. Other scopes pass
@@ -482,12 +496,20 @@ class RateLimitMiddleware:
         app: ASGIApp,
         limit: AsgiLimit[Any] | str | None = None,
         *,
+        default_limits: str | Iterable[str] | None = None,
+        storage: str | None = None,
+        key: Callable[[Any], Any] | None = None,
         headers: Headers | None = None,
         on_refusal: RefusalHook | None = None,
         check_store: bool = True,
     ) -> None:
+        if storage is not None:
+            _config.storage_scheme(storage)  # a bad URI fails here
+        if key is not None and not callable(key):
+            raise TypeError(f"key must be a function of the request, got {key!r}")
+        self.key = key
         if isinstance(limit, str):
-            limit = (self.limit_class or Limit)(limit)
+            limit = self.limit_from(limit)
         if limit is not None and not isinstance(limit, AsgiLimit):
             raise TypeError(
                 "RateLimitMiddleware takes a Limit of bucketlimit.asgi, bucketlimit.fastapi "
@@ -497,58 +519,107 @@ class RateLimitMiddleware:
             raise TypeError(f"on_refusal must be a function (request, refusal), got {on_refusal!r}")
         self.app = app
         self.limit = limit
+        texts = [] if default_limits is None else _config.split_limits(default_limits)
+        default_key = key or cast(Callable[[Any], Any], (self.limit_class or Limit).default_key)
+        #: The default limits: one ``Limit`` each, keyed by route and client.
+        self.defaults = [self.limit_from(text, _per_route(default_key)) for text in texts]
+        #: :meth:`route_of`'s answers by ``id(route)``, for a subclass that reads routes.
+        self.routes: dict[int, str | None] = {}
+        self.storage = storage
         self.headers = profiles.check_headers(headers)
         self.on_refusal = on_refusal
         self.check_store = bool(check_store)
+
+    def limit_from(self, text: str, key: Callable[[Any], Any] | None = None) -> AsgiLimit[Any]:
+        """The ``Limit`` of a limit string of this middleware (its ``key=``, or
+        ``key``), on the app's storage."""
+        chosen = key or self.key
+        options: dict[str, Any] = {} if chosen is None else {"key": chosen}
+        return (self.limit_class or Limit)(text, **options)
+
+    def limits_for(self, scope: Scope) -> list[AsgiLimit[Any]]:
+        """The limits the middleware applies to ``scope``, in order: its own, then the
+        default limits where :meth:`route_of` names a route."""
+        own = [] if self.limit is None else [self.limit]
+        if not self.defaults:
+            return own
+        route = self.route_of(scope)
+        if route is None:
+            return own
+        scope["state"][_ROUTE] = route
+        return [*own, *self.defaults]
+
+    def route_of(self, scope: Scope) -> str | None:
+        """The route the default limits key ``scope`` by, or ``None`` where they do
+        not apply: a bare ASGI app has no routes, so each path is one (a framework's
+        subclass reads its routes, and skips those with a limit of their own)."""
+        return str(scope.get("path", ""))
+
+    def app_limits(self, scope: Scope) -> list[AsgiLimit[Any]]:
+        """Every limit of the app the lifespan start-up asks the store of: the
+        middleware's (a framework's subclass adds its routes')."""
+        return [*([] if self.limit is None else [self.limit]), *self.defaults]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind != "http" and kind != "websocket":
             if kind == "lifespan" and self.check_store:
-                send = self._checking_at_startup(send)
+                send = self._checking_at_startup(scope, send)
             await self.app(scope, receive, send)
             return
         scope.setdefault("state", {})[_CLOSES] = True
         if self.exempt_scope(scope):
             await _serve(self.app, scope, receive, send, None)
             return
-        limits = request_limits(scope, self.headers, self.on_refusal)
-        if self.limit is None:
+        limits = request_limits(
+            scope, self.headers, self.on_refusal, self.check_store, self.storage
+        )
+        applied = self.limits_for(scope)
+        if not applied:
             await _serve(self.app, scope, receive, send, limits)
             return
         body = None
         if kind == "http":
             body = scope["state"][_REPLAY] = _Replay(receive)
-        request = self.limit.connection(scope, body.record if body is not None else receive)
-        try:
-            _, refused = await self.limit.apply(
-                request, body.disconnected if body is not None else None
-            )
-        except ClientDisconnected:
-            await _awaited(limits.close())
-            return  # nobody to answer; its tokens and permits were given back
-        except BaseException:
-            await _awaited(limits.close())
-            raise
-        if refused:
+        request = applied[0].connection(scope, body.record if body is not None else receive)
+        for limit in applied:
             try:
-                await self._refuse(request, scope, receive, send, limits)
-            finally:
+                _, refused = await limit.apply(
+                    request, body.disconnected if body is not None else None
+                )
+            except ClientDisconnected:
                 await _awaited(limits.close())
-            return
+                return  # nobody to answer; its tokens and permits were given back
+            except BaseException:
+                await _awaited(limits.close())
+                raise
+            if refused:
+                try:
+                    await self._refuse(limit, request, scope, receive, send, limits)
+                finally:
+                    await _awaited(limits.close())
+                return
         await _serve(self.app, scope, body.replay if body is not None else receive, send, limits)
 
     async def _refuse(
-        self, request: Any, scope: Scope, receive: Receive, send: Send, limits: RequestLimits
+        self,
+        limit: AsgiLimit[Any],
+        request: Any,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        limits: RequestLimits,
     ) -> None:
         refusal = limits.refusal()
         hook = limits.refusal_hook()
-        if hook is None:
+        response = None
+        if hook is not None:
+            response = hook(request, refusal)
+            if inspect.isawaitable(response):
+                response = await response
+        if response is None:  # no hook, or the hook's None: the default refusal
             await send_refusal(scope, receive, send, refusal)
             return
-        response = hook(request, refusal)
-        if inspect.isawaitable(response):
-            response = await response
 
         async def send_with_fields(message: Message) -> None:
             if message["type"] in ("http.response.start", "websocket.http.response.start"):
@@ -557,7 +628,6 @@ class RateLimitMiddleware:
                     message = _with_defaults(message, refusal.headers)
             await send(message)
 
-        limit = cast(AsgiLimit[Any], self.limit)  # a refusal came from it
         await limit.send_response(response, request, scope, receive, send_with_fields)
 
     def exempt_scope(self, scope: Scope) -> bool:
@@ -565,10 +635,12 @@ class RateLimitMiddleware:
         no routes (``bucketlimit.fastapi``'s middleware reads Starlette's)."""
         return False
 
-    def _checking_at_startup(self, send: Send) -> Send:
-        """``send`` that checks the stores before the app's ``lifespan.startup.complete``
-        goes out: when one fails it reports ``lifespan.startup.failed`` instead and
-        raises :class:`StoreCheckError` into the app, as a failing start-up does."""
+    def _checking_at_startup(self, scope: Scope, send: Send) -> Send:
+        """``send`` that checks the stores of the app's limits (:meth:`app_limits`, each
+        limit string bound to the app's storage first) before the app's
+        ``lifespan.startup.complete`` goes out: when one fails it reports
+        ``lifespan.startup.failed`` instead and raises :class:`StoreCheckError` into
+        the app, as a failing start-up does."""
         failed = False
 
         async def checking(message: Message) -> None:
@@ -578,7 +650,10 @@ class RateLimitMiddleware:
                 return  # the app reporting the error again: said once
             if kind == "lifespan.startup.complete":
                 try:
-                    await check_stores_async([] if self.limit is None else [self.limit])
+                    found = self.app_limits(scope)
+                    for limit in found:
+                        limit.bind(self.storage)
+                    await check_stores_async(found)
                 except StoreCheckError as error:
                     failed = True
                     await send({"type": "lifespan.startup.failed", "message": str(error)})
@@ -595,6 +670,28 @@ async def startup_check() -> int:
     an app without it: Litestar's ``on_startup=[startup_check]``, or a FastAPI
     ``lifespan``. Returns how many stores were asked."""
     return await check_stores_async(live_limits())
+
+
+#: ``scope["state"]``: the route a default limit keys this request by.
+_ROUTE = "bucketlimit.route"
+
+
+def _per_route(key: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A default limit's key: the request's route and its key, so that each route has
+    its own bucket per client (slowapi's and flask-limiter's default limits)."""
+
+    def route_key(request: Any) -> Any:
+        route = request.scope["state"][_ROUTE]
+        found = key(request)
+        if inspect.isawaitable(found):
+            return _prefixed(route, found)
+        return f"{route}|{found}"
+
+    return route_key
+
+
+async def _prefixed(route: str, key: Awaitable[Any]) -> str:
+    return f"{route}|{await key}"
 
 
 def _with_defaults(message: Message, defaults: dict[str, str]) -> Message:

@@ -43,18 +43,19 @@ import functools
 import importlib
 import inspect
 import json
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
-from django.urls import Resolver404, resolve
+from django.urls import Resolver404, get_resolver, resolve
 
 from bucketlimit import _config
 from bucketlimit._core import Decision
 from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
+from bucketlimit._web.buckets import qualified_name
 from bucketlimit._web.fields import RETRY_AFTER, Refusal, retry_after_seconds
 from bucketlimit._web.limiters import (
     AnyLimiter,
@@ -103,6 +104,7 @@ _REFUSED = "_bucketlimit_refused"  # a limit of this request refused it
 _RELEASES = "_bucketlimit_releases"  # the middleware releases this request's permits
 _EXEMPT = "__bucketlimit_exempt__"  # a view's mark: the middleware's limits skip it
 _OWN_LIMITS = "__bucketlimit_overrides_defaults__"  # a view's mark: it has limits of its own
+_LIMITS = "__bucketlimit_limits__"  # a view's limits (its decorators')
 
 
 def _django_request(request: Any) -> HttpRequest:
@@ -182,11 +184,15 @@ def _on_refusal_setting() -> RefusalHook | None:
     return found
 
 
+def _check_store_setting() -> bool:
+    return bool(getattr(settings, "BUCKETLIMIT_CHECK_STORE", True))
+
+
 def _request_limits(request: Any) -> RequestLimits:
     django_request = _django_request(request)
     limits: RequestLimits | None = getattr(django_request, _STATE, None)
     if limits is None:
-        limits = RequestLimits(_headers_setting(), _on_refusal_setting())
+        limits = RequestLimits(_headers_setting(), _on_refusal_setting(), _check_store_setting())
         setattr(django_request, _STATE, limits)
     return limits
 
@@ -204,7 +210,7 @@ def refusal_response(refusal: Refusal) -> HttpResponse:
 def _refused(request: Any, limits: RequestLimits) -> Any:
     """The response of a refusal: ``on_refusal``'s (the limit's, else
     ``BUCKETLIMIT_ON_REFUSAL``), with ``Retry-After`` where it set none, or the
-    default problem response."""
+    default problem response (with no hook, or when it returned ``None``)."""
     setattr(_django_request(request), _REFUSED, True)
     refusal = limits.refusal()
     hook = limits.refusal_hook()
@@ -221,6 +227,8 @@ async def _awaited(response: Awaitable[Any], refusal: Refusal) -> Any:
 
 
 def _with_retry_after(response: Any, refusal: Refusal) -> Any:
+    if response is None:  # the hook's None: the default refusal
+        return refusal_response(refusal)
     if isinstance(response, HttpResponseBase) and response.status_code == refusal.status:
         for name in (RETRY_AFTER, profiles.RETRY_AFTER_MS):
             if name in refusal.headers and name not in response:
@@ -285,6 +293,8 @@ class Limit(LimitSettings[HttpRequest]):
     """
 
     default_key = staticmethod(remote_address)
+    #: Whether it decorates views (else it is an app-wide limit, or a throttle's).
+    _decorates = False
 
     def check_limiter(self, limiter: AnyLimiter | ConcurrencyLimiterLike) -> None:
         if is_concurrency_limiter(limiter) and is_async_limiter(limiter):
@@ -299,33 +309,40 @@ class Limit(LimitSettings[HttpRequest]):
 
     def __call__(self, view: F) -> F:
         """Limits one view (a function, or ``method_decorator(limit)`` on a class's
-        ``dispatch``). Stack several, each with its own ``name``."""
+        ``dispatch``). Stack several, each with its own ``name``. A limit string keeps
+        this view's buckets (one set for every view it decorates; ``scope=`` shares
+        them with other limits)."""
+        self._decorates = True
         if iscoroutinefunction(view):
 
             @functools.wraps(view)
             async def limited_async(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
                 try:
                     refusal = await self.acheck(request)
-                    response = refusal or await view(request, *args, **kwargs)
+                    response = (
+                        refusal if refusal is not None else await view(request, *args, **kwargs)
+                    )
                 except BaseException:
                     _release_now(request)  # no response will release its permits
                     raise
                 return _write_fields(request, _release_after(request, response))
 
             setattr(limited_async, _OWN_LIMITS, True)
+            setattr(limited_async, _LIMITS, (*getattr(view, _LIMITS, ()), self))
             return cast(F, limited_async)
 
         @functools.wraps(view)
         def limited(request: HttpRequest, *args: Any, **kwargs: Any) -> Any:
             try:
                 refusal = self.check(request)
-                response = refusal or view(request, *args, **kwargs)
+                response = refusal if refusal is not None else view(request, *args, **kwargs)
             except BaseException:
                 _release_now(request)  # no response will release its permits
                 raise
             return _write_fields(request, _release_after(request, response))
 
         setattr(limited, _OWN_LIMITS, True)
+        setattr(limited, _LIMITS, (*getattr(view, _LIMITS, ()), self))
         return cast(F, limited)
 
     def check(self, request: HttpRequest) -> Any:
@@ -334,6 +351,8 @@ class Limit(LimitSettings[HttpRequest]):
         off)."""
         if not _enabled():
             return None
+        if not self.attached:
+            self.attach(_route_of(self, request))
         _, refused = run(
             self.procedure(request, lambda: _request_limits(request), _describe, _hold_sync)
         )
@@ -343,6 +362,8 @@ class Limit(LimitSettings[HttpRequest]):
         """Applies the limit in async code (an async limiter is awaited)."""
         if not _enabled():
             return None
+        if not self.attached:
+            self.attach(_route_of(self, request))
         _, refused = await run_async(
             self.procedure(request, lambda: _request_limits(request), _describe, AsyncReservation)
         )
@@ -354,6 +375,48 @@ class Limit(LimitSettings[HttpRequest]):
 
 #: ``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``.
 limit = Limit
+
+
+def _patterns(patterns: Iterable[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(route, view)`` of every URL pattern, in the URLconf's order."""
+    for pattern in patterns:
+        route = prefix + str(pattern.pattern)
+        if hasattr(pattern, "url_patterns"):  # an include()
+            yield from _patterns(pattern.url_patterns, route)
+        else:
+            yield route, pattern.callback
+
+
+def _route_of(limit: Limit, request: Any) -> str | None:
+    """The first URL pattern (in the URLconf's order) whose view the limit decorates;
+    for a view the patterns do not show (``method_decorator`` on a class's
+    ``dispatch``), the request's route; ``None`` for an app-wide limit."""
+    django_request = _django_request(request)
+    resolver = get_resolver(getattr(django_request, "urlconf", None))
+    for route, view in _patterns(resolver.url_patterns):
+        if limit in getattr(view, _LIMITS, ()):
+            return route
+    if not limit._decorates:
+        return None
+    return getattr(getattr(django_request, "resolver_match", None), "route", None)
+
+
+def _view_limits() -> list[Limit]:
+    """Every limit the URLconf's views apply (their ``@limit``s, their DRF throttles'),
+    each attached to its first URL pattern (as :func:`_route_of` would): what the
+    middleware asks the stores of at start-up."""
+    if getattr(settings, "ROOT_URLCONF", None) is None:
+        return []
+    found: list[Limit] = []
+    for route, view in _patterns(get_resolver().url_patterns):
+        view_class = getattr(view, "view_class", None)
+        throttles = getattr(view_class, "throttle_classes", None) or ()
+        throttled = [getattr(t, "limit", None) for t in throttles]
+        for limit in getattr(view, _LIMITS, ()):
+            limit.attach(route)
+            found.append(limit)
+        found += [limit for limit in throttled if isinstance(limit, Limit)]
+    return found
 
 
 def exempt(view: F) -> F:
@@ -486,7 +549,8 @@ class RateLimitMiddleware:
     ``BUCKETLIMIT_ENABLED``, ``BUCKETLIMIT_HEADERS``, ``BUCKETLIMIT_ON_REFUSAL``.
     When Django builds it (at start-up: the first request of ``runserver``, a
     worker's boot under gunicorn) it asks the Redis store of each configured limit
-    (``check()``) and raises :class:`StoreCheckError` if one does not answer,
+    and of each limit the URLconf's views apply (``@limit``, DRF throttles:
+    ``check()``) and raises :class:`StoreCheckError` if one does not answer,
     unless ``BUCKETLIMIT_CHECK_STORE = False``.
     """
 
@@ -498,8 +562,8 @@ class RateLimitMiddleware:
         self.is_async = iscoroutinefunction(get_response)
         if self.is_async:
             markcoroutinefunction(self)
-        if getattr(settings, "BUCKETLIMIT_CHECK_STORE", True) and _enabled():
-            check_stores([*_configured_limits(), *_default_limits()])
+        if _check_store_setting() and _enabled():
+            check_stores([*_configured_limits(), *_default_limits(), *_view_limits()])
 
     def __call__(self, request: HttpRequest) -> Any:
         if self.is_async:
@@ -537,7 +601,16 @@ class RateLimitMiddleware:
         return _write_fields(request, _release_after(request, rewritten))
 
 
-class LimitThrottle:
+if TYPE_CHECKING:
+    # To a type checker a DRF throttle (its stubs type ``throttle_classes`` so). At
+    # run time DRF only calls the methods, and importing DRF's throttling module
+    # would read the settings before they exist.
+    from rest_framework.throttling import BaseThrottle as _Throttle
+else:
+    _Throttle = object
+
+
+class LimitThrottle(_Throttle):
     """A Django REST framework throttle applying a :class:`Limit`.
 
     ::
@@ -563,6 +636,14 @@ class LimitThrottle:
     """
 
     limit: Limit
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A throttle's limit string keeps the throttle's buckets, on every view that
+        uses it (as DRF's throttles share their cache keys across views)."""
+        super().__init_subclass__(**kwargs)
+        limit = cls.__dict__.get("limit")
+        if isinstance(limit, Limit):
+            limit.attach(qualified_name(cls))
 
     def __init__(self) -> None:
         if not isinstance(getattr(type(self), "limit", None), Limit):

@@ -92,6 +92,7 @@ __all__ = [
     "remote_address",
     "reservation",
     "reserve_async",
+    "shared_limit",
     "startup_check",
 ]
 
@@ -143,16 +144,14 @@ def exempt(endpoint: F) -> F:
     return endpoint
 
 
-def _route_exempt(scope: Scope) -> bool:
-    """Whether the route ``scope`` goes to has an :func:`exempt` endpoint (Starlette's
-    own matching, over the app's routes)."""
-    router = getattr(scope.get("app"), "router", None)
-    for route in getattr(router, "routes", ()):
+def _matched(scope: Scope) -> tuple[Any, Any]:
+    """The route ``scope`` goes to and its endpoint (Starlette's own matching, over
+    the app's routes), or ``(None, None)``."""
+    for route in _routes(scope.get("app")):
         match, child = route.matches(scope)
         if match is Match.FULL:
-            endpoint = child.get("endpoint", getattr(route, "endpoint", None))
-            return bool(getattr(endpoint, _EXEMPT, False))
-    return False
+            return route, child.get("endpoint", getattr(route, "endpoint", None))
+    return None, None
 
 
 class RateLimitExceeded(HTTPException):
@@ -179,14 +178,16 @@ class RateLimitExceeded(HTTPException):
 async def refusal_handler(connection: HTTPConnection, exc: Exception) -> Response | None:
     """Answers a :class:`RateLimitExceeded`: the problem response (or what its
     ``on_refusal`` returned, with the fields and ``Retry-After`` added where it set
-    none), or for a WebSocket a refused handshake (429 where the server can send
-    one, else close 1008)."""
+    none; a hook's ``None`` is the problem response), or for a WebSocket a refused
+    handshake (429 where the server can send one, else close 1008)."""
     assert isinstance(exc, RateLimitExceeded)
     refusal = exc.refusal
+    response = None
     if exc.hook is not None and connection.scope["type"] == "http":
         response = exc.hook(connection, refusal)
         if inspect.isawaitable(response):
             response = await response
+    if response is not None:  # the hook's answer (None: the default refusal)
         if isinstance(response, Response):
             for name, value in request_limits(connection.scope).fields(refused=True).items():
                 response.headers[name] = value
@@ -224,6 +225,44 @@ def _register_handler(scope: Scope) -> None:
         handlers[0].setdefault(RateLimitExceeded, refusal_handler)
 
 
+def _routes(app: object) -> Iterable[Any]:
+    return getattr(getattr(app, "router", None), "routes", ())
+
+
+def _route_limits(routes: Iterable[Any]) -> list[tuple[AsgiLimit[Any], Any]]:
+    """``(limit, route)`` for each ``Depends(limit)`` of each of ``routes``, in their
+    order (a route's own dependencies, its router's and the app's: FastAPI's
+    dependency tree of the route)."""
+    found: list[tuple[AsgiLimit[Any], Any]] = []
+    for route in routes:
+        stack = [getattr(route, "dependant", None)]
+        while stack:
+            dependant = stack.pop()
+            if dependant is None:
+                continue
+            call = getattr(dependant, "call", None)
+            if isinstance(call, AsgiLimit):
+                found.append((call, route))
+            stack.extend(reversed(getattr(dependant, "dependencies", ())))
+    return found
+
+
+def _route_id(route: Any) -> str:
+    """A route's methods and path (``GET /login``): what names its buckets."""
+    methods = sorted(getattr(route, "methods", None) or ())
+    return " ".join([*methods, str(getattr(route, "path", "?"))])
+
+
+def _attach_routes(app: object) -> list[AsgiLimit[Any]]:
+    """Attaches every route limit of ``app`` to the first route that depends on it,
+    and returns them."""
+    limits = []
+    for limit, route in _route_limits(_routes(app)):
+        limit.attach(_route_id(route))
+        limits.append(limit)
+    return limits
+
+
 class Limit(AsgiLimit[Any]):
     """One limit: a FastAPI dependency, or app-wide through :class:`RateLimitMiddleware`.
 
@@ -240,6 +279,12 @@ class Limit(AsgiLimit[Any]):
 
     def connection(self, scope: Scope, receive: Receive) -> HTTPConnection:
         return Request(scope, receive) if scope["type"] == "http" else HTTPConnection(scope)
+
+    def locate(self, scope: Scope) -> None:
+        """A route's dependency keeps the buckets of the first route (in the app's
+        order) that depends on it; the middleware's, its name."""
+        _attach_routes(scope.get("app"))
+        self.attach(None)
 
     async def __call__(self, request: HTTPConnection, response: Response) -> AsyncReservation:
         if self.concurrency is not None and not releases_permits(request.scope):
@@ -276,12 +321,35 @@ class Limit(AsgiLimit[Any]):
         stack.push_async_callback(release_permits_later(scope))
 
 
+def shared_limit(limit: str, scope: str, **options: Any) -> Limit:
+    """slowapi's ``shared_limit``: a limit string whose buckets are the ``scope``'s,
+    shared by every route that depends on a limit of that scope
+    (``Limit(limit, scope=scope, ...)``), in process and in Redis alike."""
+    return Limit(limit, scope=scope, **options)
+
+
 class RateLimitMiddleware(_AsgiMiddleware):
     """:class:`bucketlimit.asgi.RateLimitMiddleware` for Starlette and FastAPI: a
-    limit string becomes a :class:`Limit` of this module, and routes whose endpoint
-    is marked :func:`exempt` are skipped."""
+    limit string becomes a :class:`Limit` of this module, routes whose endpoint is
+    marked :func:`exempt` are skipped, the default limits (slowapi's
+    ``default_limits``) are a bucket per client per route (its methods and path) on
+    the routes with no ``Depends(Limit(...))`` of their own, and the lifespan
+    start-up asks the store of every limit of the app, the routes' included."""
 
     limit_class = Limit
 
     def exempt_scope(self, scope: Scope) -> bool:
-        return _any_exempt and _route_exempt(scope)
+        if not _any_exempt:
+            return False
+        return bool(getattr(_matched(scope)[1], _EXEMPT, False))
+
+    def route_of(self, scope: Scope) -> str | None:
+        route, _ = _matched(scope)
+        if route is None:
+            return None
+        if id(route) not in self.routes:  # a route with a limit of its own: none
+            self.routes[id(route)] = None if _route_limits([route]) else _route_id(route)
+        return self.routes[id(route)]
+
+    def app_limits(self, scope: Scope) -> list[AsgiLimit[Any]]:
+        return [*super().app_limits(scope), *_attach_routes(scope.get("app"))]

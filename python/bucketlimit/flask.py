@@ -102,6 +102,7 @@ __all__ = [
     "remote_address",
     "reservation",
     "reserve",
+    "shared_limit",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -114,6 +115,7 @@ _OFF = "bucketlimit.off"  # environ: the app's limits are off (RATELIMIT_ENABLED
 _EXTENSION = "bucketlimit"  # app.extensions: the app's _AppLimits
 _EXEMPT = "__bucketlimit_exempt__"  # a view's mark: the app's limits skip it
 _OWN_LIMITS = "__bucketlimit_overrides_defaults__"  # a view's mark: it has limits of its own
+_LIMITS = "__bucketlimit_limits__"  # a view's limits (its decorators')
 
 
 def client_address(
@@ -161,7 +163,8 @@ class RateLimitExceeded(TooManyRequests):
     """
 
     def __init__(self, refusal: Refusal) -> None:
-        super().__init__(description=str(_detail(refusal.body)))
+        # flask-limiter's description: the limit, "5 per 1 minute".
+        super().__init__(description=str(refusal))
         self.code = refusal.status
         self.refusal = refusal
 
@@ -171,13 +174,6 @@ class RateLimitExceeded(TooManyRequests):
 
     def get_response(self, environ: Any = None, scope: Any = None) -> Response:
         return _refusal_response(self.refusal)
-
-
-def _detail(body: dict[str, object]) -> object:
-    error = body.get("error")
-    if isinstance(error, dict):  # OpenAI's shape
-        return error.get("message", "")
-    return body.get("detail", "")
 
 
 def _refusal_response(refusal: Refusal) -> Response:
@@ -191,6 +187,7 @@ class _AppLimits:
 
     __slots__ = (
         "application",
+        "check_store",
         "defaults",
         "enabled",
         "headers",
@@ -205,6 +202,7 @@ class _AppLimits:
         enabled: bool,
         headers: tuple[str, ...] | None,
         on_refusal: RefusalHook | None,
+        check_store: bool,
         application: list[Limit],
         defaults: list[Limit],
     ) -> None:
@@ -212,6 +210,7 @@ class _AppLimits:
         self.enabled = enabled
         self.headers = headers
         self.on_refusal = on_refusal
+        self.check_store = check_store
         self.application = application
         self.defaults = defaults
 
@@ -261,6 +260,16 @@ def _write_fields(limits: RequestLimits, response: Response) -> Response:
     return response
 
 
+def _config_headers(config: Any) -> tuple[str, ...] | None:
+    """The header profile ``RATELIMIT_HEADERS_ENABLED`` asks for, as flask-limiter
+    reads it: ``True`` its ``X-RateLimit-*`` fields (``legacy``), ``False`` none;
+    unset, the default (draft-11's fields)."""
+    enabled = config.get("RATELIMIT_HEADERS_ENABLED")
+    if enabled is None:
+        return None
+    return (profiles.LEGACY,) if enabled else ()
+
+
 def _request_limits(request: Request) -> RequestLimits | None:
     """This request's limits (kept in its WSGI environ), with the app's header
     profile and refusal hook, or ``None`` when the app's limits are off
@@ -276,7 +285,7 @@ def _request_limits(request: Request) -> RequestLimits | None:
         if not current_app.config.get("RATELIMIT_ENABLED", True):
             environ[_OFF] = True
             return None
-        limits = environ[_STATE] = RequestLimits()
+        limits = environ[_STATE] = RequestLimits(_config_headers(current_app.config))
         # Runs on the final response, error responses included, after every
         # limit of the request has decided: one RateLimit field, never two.
         flask.after_this_request(functools.partial(_write_fields, limits))
@@ -284,7 +293,9 @@ def _request_limits(request: Request) -> RequestLimits | None:
     if not app_limits.enabled:
         environ[_OFF] = True
         return None
-    limits = environ[_STATE] = RequestLimits(app_limits.headers, app_limits.on_refusal)
+    limits = environ[_STATE] = RequestLimits(
+        app_limits.headers, app_limits.on_refusal, app_limits.check_store
+    )
     return limits
 
 
@@ -336,7 +347,8 @@ class Limit(LimitSettings[Request]):
     def __call__(self, view: F) -> F:
         """Limits one view. Stack several, each with its own ``name``. The app's
         default limits (``RATELIMIT_DEFAULT``) no longer apply to it, unless
-        ``override_defaults=False``."""
+        ``override_defaults=False``. A limit string keeps this view's buckets (one
+        set for every view it decorates; ``scope=`` shares them with other limits)."""
 
         @functools.wraps(view)
         def limited(*args: Any, **kwargs: Any) -> Any:
@@ -351,16 +363,20 @@ class Limit(LimitSettings[Request]):
 
         if self.override_defaults or getattr(view, _OWN_LIMITS, False):
             setattr(limited, _OWN_LIMITS, True)
+        setattr(limited, _LIMITS, (*getattr(view, _LIMITS, ()), self))
         return cast(F, limited)
 
     def check(self) -> Any:
         """Applies the limit to the current request: ``None`` to go on; a refusal
-        raises :class:`RateLimitExceeded`, or returns what ``on_refusal`` (the
-        limit's, else the app's) made of it."""
+        returns what ``on_refusal`` (the limit's, else the app's) made of it, or
+        raises :class:`RateLimitExceeded` (with no hook, or when the hook returned
+        ``None``)."""
         request: Request = flask.request._get_current_object()  # type: ignore[attr-defined]
         limits = _request_limits(request)
         if limits is None:  # RATELIMIT_ENABLED is off
             return None
+        if not self.attached:
+            self.attach(_endpoint_of(self))
         _, refused = run(self.procedure(request, lambda: limits, _describe, _hold))
         if not refused:
             return None
@@ -368,12 +384,21 @@ class Limit(LimitSettings[Request]):
         request.environ[_REFUSAL] = refusal
         hook = limits.refusal_hook()
         if hook is not None:
-            return hook(request, refusal)
+            response = hook(request, refusal)
+            if response is not None:  # None: the default refusal (flask-limiter's on_breach)
+                return response
         raise RateLimitExceeded(refusal)
 
 
 #: ``@limit(limiter, ...)`` on a view: the same as ``@Limit(limiter, ...)``.
 limit = Limit
+
+
+def shared_limit(limit: str, scope: str, **options: Any) -> Limit:
+    """flask-limiter's ``shared_limit``: a limit string whose buckets are the
+    ``scope``'s, shared by every view it decorates and every limit of that scope
+    (``Limit(limit, scope=scope, ...)``), in process and in Redis alike."""
+    return Limit(limit, scope=scope, **options)
 
 
 def exempt(view: F) -> F:
@@ -382,6 +407,15 @@ def exempt(view: F) -> F:
     ``@limit`` still applies."""
     setattr(view, _EXEMPT, True)
     return view
+
+
+def _endpoint_of(limit: Limit) -> str | None:
+    """The first endpoint of the app (in the order they were added) whose view the
+    limit decorates; ``None`` for an app-wide limit."""
+    for endpoint, view in current_app.view_functions.items():
+        if limit in getattr(view, _LIMITS, ()):
+            return str(endpoint)
+    return None
 
 
 def _view() -> Any:
@@ -406,13 +440,16 @@ class RateLimit:
     - ``key``: the key function of the limits it builds (default: the peer address);
     - ``enabled`` (``RATELIMIT_ENABLED``): ``False`` turns every limit of the app off;
     - ``headers``: the header profile(s) of limits that name none (default
-      ``"draft-11"``); ``RATELIMIT_HEADERS_ENABLED = False`` sends none;
+      ``"draft-11"``); without it, ``RATELIMIT_HEADERS_ENABLED = True`` sends
+      flask-limiter's ``X-RateLimit-*`` fields (``"legacy"``), ``False`` none;
     - ``on_refusal(request, refusal)``: the response of a refusal by any limit that
       has none of its own (default: raise :class:`RateLimitExceeded`);
     - ``check_store``: at ``init_app``, ask every Redis store behind the app's limits
       (``check()``): a store that does not answer raises :class:`StoreCheckError`
-      there, so a wrong URL fails the start, not each request later. ``False``
-      starts without asking.
+      there, so a wrong URL fails the start. A view's own limit made after it is
+      asked before it first decides (a store that does not answer fails that
+      request). ``False``: no limit of the app asks; the limiters' ``on_store_error``
+      policy answers.
 
     Arguments win over the app's config. The app's limits run before a view's own;
     a view decorated with the same ``Limit`` is charged once; :func:`exempt` (or
@@ -474,9 +511,7 @@ class RateLimit:
         enabled = self._enabled
         if enabled is None:
             enabled = bool(config.get("RATELIMIT_ENABLED", True))
-        headers = self.headers
-        if not config.get("RATELIMIT_HEADERS_ENABLED", True):
-            headers = ()
+        headers = self.headers if self.headers is not None else _config_headers(config)
         application_texts = self._application
         if application_texts is None:
             found = config.get("RATELIMIT_APPLICATION")
@@ -499,6 +534,7 @@ class RateLimit:
             enabled=enabled,
             headers=headers,
             on_refusal=self.on_refusal,
+            check_store=self.check_store,
             application=application,
             defaults=defaults,
         )
@@ -547,6 +583,8 @@ class RateLimit:
 
     #: ``@ext.exempt`` on a view: :func:`exempt`.
     exempt = staticmethod(exempt)
+    #: ``@ext.shared_limit("100/hour", scope="mysql")``: :func:`shared_limit`.
+    shared_limit = staticmethod(shared_limit)
 
     @property
     def shadow_refusals(self) -> int:

@@ -107,6 +107,22 @@ class Limit(AsgiLimit[Any]):
             return Request(scope, receive)  # type: ignore[arg-type]
         return ASGIConnection(scope)  # type: ignore[arg-type]
 
+    def locate(self, scope: Scope) -> None:
+        """A limit in one route handler's own ``middleware=`` keeps the buckets of the
+        first such handler (in the app's order); one on a layer (the app, a router,
+        a controller), its name."""
+        for route in getattr(scope.get("app"), "routes", ()):
+            handlers = getattr(route, "route_handlers", None) or [
+                getattr(route, "route_handler", None)
+            ]
+            for handler in handlers:
+                for middleware in getattr(handler, "middleware", None) or ():
+                    limit = getattr(middleware, "kwargs", {}).get("limit")
+                    if isinstance(limit, Limit):
+                        methods = sorted(getattr(handler, "http_methods", None) or ())
+                        limit.attach(" ".join([*methods, str(route.path)]))
+        self.attach(None)
+
     async def send_response(
         self, response: Any, request: Any, scope: Scope, receive: Receive, send: Send
     ) -> None:

@@ -14,6 +14,13 @@ Waiting runs on it too: a limiter built with a ``ManualClock`` waits with the
 clock's :meth:`ManualClock.sleep` (``acquire``) and :meth:`ManualClock.sleep_async`
 (``acquire_async``), which advance the clock instead of sleeping, so tests of
 code that waits for tokens never sleep either.
+
+An app's limits go on a fake clock with ``limits_on_clock`` (the ``limits_clock``
+fixture). A test that moves time with freezegun or time-machine needs nothing: when
+its module imports either (or it asks for their ``freezer`` / ``time_machine``
+fixtures) the plugin puts every limit on :class:`PatchedTimeClock` for the test, as
+the ``limits_patched_time`` fixture does, so a test ported from flask-limiter or
+slowapi passes unchanged (``@pytest.mark.bucketlimit_real_clock`` opts out).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from bucketlimit._core import ConcurrencyLimiter, TokenBucketLimiter
@@ -36,6 +43,7 @@ __all__ = [
     "PatchedTimeClock",
     "limits_clock",
     "limits_on_clock",
+    "limits_patched_time",
     "manual_clock",
     "reset_limits",
 ]
@@ -215,13 +223,22 @@ def limits_on_clock(clock: Callable[[], float] | None = None) -> Iterator[Callab
             assert client.get("/").status_code == 200
             clock.advance(1)
     """
+    with _limits_on(ManualClock() if clock is None else clock, lambda limit: True) as on:
+        yield on
+
+
+@contextlib.contextmanager
+def _limits_on(
+    clock: Callable[[], float], chosen: Callable[[Any], bool]
+) -> Iterator[Callable[[], float]]:
+    """:func:`limits_on_clock` for the limits ``chosen`` says."""
     from bucketlimit.web import live_limits, watch_limits
 
-    clock = ManualClock() if clock is None else clock
     saved: list[tuple[Any, Any, Any]] = []
 
     def hook(limit: Any) -> None:
-        _on_clock(limit, clock, saved)
+        if chosen(limit):
+            _on_clock(limit, clock, saved)
 
     try:
         with watch_limits(hook):
@@ -250,11 +267,73 @@ def reset_limits() -> None:
             limiter.clear()
 
 
+#: The libraries that patch ``time.time()`` (freezegun, time-machine).
+_TIME_PATCHERS = frozenset({"freezegun", "time_machine"})
+#: Their pytest fixtures (pytest-freezer's and time-machine's own).
+_TIME_FIXTURES = frozenset({"freezer", "time_machine"})
+#: The marker that keeps a test's limits on their own clocks under those libraries.
+REAL_CLOCK_MARKER = "bucketlimit_real_clock"
+
+
+def _patches_time(value: object) -> bool:
+    """Whether a module-level name of a test module is freezegun or time-machine
+    (the module, or anything imported from it)."""
+    if inspect.ismodule(value):
+        return value.__name__.split(".")[0] in _TIME_PATCHERS
+    module = getattr(value, "__module__", None)
+    return isinstance(module, str) and module.split(".")[0] in _TIME_PATCHERS
+
+
+def uses_patched_time(module: object, fixtures: Iterable[str] = ()) -> bool:
+    """Whether a test moves time with freezegun or time-machine: its module imports
+    either, or it asks for their fixtures (``freezer``, ``time_machine``)."""
+    if _TIME_FIXTURES.intersection(fixtures):
+        return True
+    return module is not None and any(_patches_time(v) for v in vars(module).values())
+
+
 try:
     import pytest
 except ImportError:  # pragma: no cover - pytest is only needed for the fixture
     pass
 else:
+
+    def pytest_configure(config: pytest.Config) -> None:
+        config.addinivalue_line(
+            "markers",
+            f"{REAL_CLOCK_MARKER}: keep the app's limits on their own clocks in a test that "
+            "uses freezegun or time-machine (bucketlimit.testing)",
+        )
+
+    @pytest.fixture
+    def limits_patched_time() -> Iterator[PatchedTimeClock]:
+        """Every web limit on :class:`PatchedTimeClock` with empty state for the test
+        (:func:`limits_on_clock`), so that freezegun and time-machine move them; each
+        gets its own limiter back afterwards. Automatic in a test whose module imports
+        either library (or that asks for ``freezer`` or ``time_machine``)."""
+        clock = PatchedTimeClock()
+        with limits_on_clock(clock):
+            yield clock
+
+    @pytest.fixture(autouse=True)
+    def _bucketlimit_limits_follow_patched_time(
+        request: pytest.FixtureRequest,
+    ) -> Iterator[None]:
+        """Under freezegun or time-machine (:func:`uses_patched_time`), every web
+        limit made from a limit string (as the peers' limits are) follows the patched
+        time for the test, so a test ported from flask-limiter or slowapi that ticks
+        a frozen clock passes unchanged; a limit given a limiter keeps it (and its
+        clock); ``@pytest.mark.bucketlimit_real_clock`` keeps them all as they are."""
+        module = getattr(request, "module", None) if request.scope == "function" else None
+        if (
+            request.node.get_closest_marker(REAL_CLOCK_MARKER) is not None
+            or "limits_patched_time" in request.fixturenames
+            or not uses_patched_time(module, request.fixturenames)
+        ):
+            yield
+            return
+        with _limits_on(PatchedTimeClock(), lambda limit: limit.limit_string is not None):
+            yield
 
     @pytest.fixture
     def manual_clock() -> ManualClock:

@@ -116,13 +116,13 @@ def test_the_factory_in_memory() -> None:
     with pytest.raises(ValueError, match="storage must be a URI"):
         bucketlimit.limiter("1/second", storage="memcached://localhost")
     with pytest.raises(ValueError, match="async_=True needs a Redis"):
-        bucketlimit.limiter("1/second", async_=True)
+        bucketlimit.limiter("1/second", async_=True)  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="storage must be a URI"):
         bucketlimit.limiter("1/second", storage="async+memory://")
     with pytest.raises(TypeError, match="limit must be"):
-        bucketlimit.limiter(5)  # type: ignore[arg-type]
+        bucketlimit.limiter(5)  # type: ignore[call-overload]
     with pytest.raises(TypeError, match="storage must be"):
-        bucketlimit.limiter("1/second", storage=None)  # type: ignore[arg-type]
+        bucketlimit.limiter("1/second", storage=None)  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="'5/eon'"):
         bucketlimit.limiter("5/eon")
 
@@ -140,8 +140,12 @@ def test_every_adapters_limit_takes_a_limit_string(module: object) -> None:
         limit_class("not a limit")
     assert isinstance(raised.value, ValueError)
     assert isinstance(raised.value, TypeError)
-    with pytest.raises(TypeError, match="storage= is for a limit string"):
+    with pytest.raises(TypeError, match="storage= and scope= are for a limit string"):
         limit_class(TokenBucketLimiter(1, 1), storage="memory://")
+    with pytest.raises(TypeError, match="storage= and scope= are for a limit string"):
+        limit_class(TokenBucketLimiter(1, 1), scope="auth")
+    with pytest.raises(ValueError, match="scope must be non-empty"):
+        limit_class("1/second", scope="")
     with pytest.raises(ValueError, match="storage must be a URI"):
         limit_class("1/second", storage="nowhere://")
 

@@ -19,7 +19,7 @@ from litestar import Litestar, Response, get
 from litestar.testing import TestClient
 from starlette.responses import JSONResponse
 
-from bucketlimit import TokenBucketLimiter
+from bucketlimit import Decision, TokenBucketLimiter
 from bucketlimit import fastapi as bl_fastapi
 from bucketlimit import flask as bl_flask
 from bucketlimit import litestar as bl_litestar
@@ -330,3 +330,45 @@ def test_on_refusal_must_be_callable() -> None:
             limit="1/second",
             on_refusal=3,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize(
+    ("limit", "text"),
+    [("5/minute", "5 per 1 minute"), ("100/2 hours", "100 per 2 hours"),
+     ("1000/day", "1000 per 1 day"), ("2/10 seconds", "2 per 10 seconds")],
+)  # fmt: skip
+def test_a_refusal_reads_as_its_limit(limit: str, text: str) -> None:
+    """``str(refusal)`` and Flask's ``description`` say the limit as flask-limiter does."""
+    seen: list[str] = []
+
+    def hook(request: Any, refusal: Refusal) -> None:
+        seen.append(str(refusal))
+
+    app = Flask(__name__)
+    app.add_url_rule("/", "index", bl_flask.limit(limit, on_refusal=hook)(lambda: "hi"))
+    client = app.test_client()
+    statuses = [client.get("/").status_code for _ in range(int(limit.split("/")[0]) + 1)]
+    assert statuses[-1] == 429
+    assert seen == [text], "the refusal, shown to a user, names its limit"
+    errors: list[str] = []
+
+    def too_many(error: bl_flask.RateLimitExceeded) -> tuple[str, int]:
+        errors.append(error.description or "")
+        return "slow down", 429
+
+    other = Flask(__name__)
+    other.register_error_handler(429, too_many)
+    other.add_url_rule("/", "index", bl_flask.limit(limit)(lambda: "hi"))
+    client = other.test_client()
+    for _ in range(int(limit.split("/")[0]) + 1):
+        client.get("/")
+    assert errors == [text], "RateLimitExceeded.description is the limit, as flask-limiter's"
+
+
+def test_a_concurrency_and_a_quota_read_as_such() -> None:
+    from bucketlimit.web import Applied, describe_limit
+
+    permits = Applied.concurrent(Decision(False, 1.0, 0, math.inf, 3), "inflight")
+    assert describe_limit(permits) == "3 at once"
+    quota = Applied.of(TokenBucketLimiter(100, 0), Decision(False, math.inf, 0, math.inf, 100))
+    assert describe_limit(quota) == "100 in all"

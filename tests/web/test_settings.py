@@ -114,6 +114,43 @@ def test_arguments_win_over_the_config() -> None:
     assert statuses(app, "/a", "/a") == [200, 429]
 
 
+@pytest.mark.parametrize("extension", [True, False])
+def test_ratelimit_headers_enabled_reads_as_flask_limiters(extension: bool) -> None:
+    """``RATELIMIT_HEADERS_ENABLED = True`` is flask-limiter's ``X-RateLimit-*``
+    fields, the same names it sends; ``False`` none; unset, draft-11's."""
+    from flask_limiter import Limiter
+    from flask_limiter.util import get_remote_address
+
+    def app_with(config: dict[str, Any], ours: bool) -> Flask:
+        app = Flask(__name__)
+        app.config.update(config)
+        if ours and extension:
+            bl_flask.RateLimit(app=app)
+
+        def view() -> str:
+            return "hi"
+
+        if ours:
+            app.add_url_rule("/", "index", bl_flask.limit("2/minute")(view))
+        else:
+            limiter = Limiter(get_remote_address, app=app, storage_uri="memory://")
+            app.add_url_rule("/", "index", limiter.limit("2/minute")(view))
+        return app
+
+    on = {"RATELIMIT_HEADERS_ENABLED": True}
+    theirs = app_with(on, ours=False).test_client().get("/")
+    answer = app_with(on, ours=True).test_client().get("/")
+    legacy = {name for name, _ in answer.headers if name.lower().startswith("x-ratelimit")}
+    peers = {name for name, _ in theirs.headers if name.lower().startswith("x-ratelimit")}
+    assert legacy == peers, "the same names flask-limiter sends"
+    assert sf.integer(answer.headers["X-RateLimit-Remaining"]) == 1
+    assert "RateLimit" not in answer.headers, "the peer's fields, not draft-11's"
+    off = app_with({"RATELIMIT_HEADERS_ENABLED": False}, ours=True).test_client().get("/")
+    assert not [name for name, _ in off.headers if "ratelimit" in name.lower()]
+    unset = app_with({}, ours=True).test_client().get("/")
+    assert "RateLimit" in unset.headers
+
+
 def test_a_limit_string_on_a_view_takes_the_apps_storage() -> None:
     decorated = bl_flask.limit("5/minute", name="late")  # before the app exists
     assert not decorated.bound

@@ -1,12 +1,15 @@
-"""The store behind an app's limits is checked when the app starts (issue 19 A2):
-Flask's init_app, the ASGI middleware's lifespan start-up (FastAPI, Starlette),
-Litestar's on_startup, Django's middleware; a dead store fails the start, naming
-the limit; a live one starts; each check can be turned off."""
+"""The store behind an app's limits is checked when the app starts: Flask's
+init_app, the ASGI middleware's lifespan start-up (FastAPI, Starlette, the routes'
+limits too), Litestar's on_startup, Django's middleware; a dead store fails the
+start, naming the limit; a live one starts; each check can be turned off."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import django
 import pytest
@@ -19,7 +22,7 @@ if not settings.configured:
 from django.http import HttpRequest, HttpResponse
 from django.test import Client, override_settings
 from django.urls import path
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from flask import Flask
 from litestar import Litestar, get
 from litestar.testing import TestClient as LitestarClient
@@ -132,3 +135,61 @@ def test_django_checks_when_it_builds_the_middleware() -> None:
         Client().get("/")  # the test client builds the handler (and its middleware) now
     with override_settings(BUCKETLIMIT_CHECK_STORE=False):
         assert Client().get("/").status_code == 429  # no share counted: fails closed
+
+
+def test_the_fastapi_middleware_asks_the_routes_stores_at_lifespan_startup(dead_url: str) -> None:
+    """Route limits (``Depends``) are the app's too: a dead store behind one fails the
+    start-up, before any request; the app's ``storage=`` is theirs."""
+    route = bl_fastapi.Limit("5/minute", name="route")
+    app = FastAPI()
+    app.add_middleware(bl_fastapi.RateLimitMiddleware, storage=dead_url)
+    app.get("/", dependencies=[Depends(route)])(lambda: "hi")
+    with pytest.raises(RuntimeError), TestClient(app):  # startup failed
+        pass
+    assert "redis" in type(route.limiter).__module__, "bound to the app's storage at start-up"
+    assert "GET /" in route.limiter.prefix, "named after its route"  # type: ignore[union-attr]
+
+
+def test_a_limit_of_several_is_asked_for_each_part(dead_url: str) -> None:
+    several = bl_fastapi.Limit("2/minute;10/hour", storage=dead_url)
+    with pytest.raises(StoreCheckError, match="'2/minute'"), TestClient(fastapi_app(several)):
+        pass
+
+
+VIEWS: list[Any] = []
+# A URLconf module whose urlpatterns is VIEWS, importable by name.
+_urls = types.ModuleType(f"{__name__}_views")
+_urls.urlpatterns = VIEWS  # type: ignore[attr-defined]
+sys.modules[_urls.__name__] = _urls
+
+
+@pytest.fixture
+def django_views_on_a_dead_store(dead_url: str) -> Iterator[None]:
+    from rest_framework.views import APIView
+
+    dead = bl_django.Limit("5/minute", storage=dead_url, name="view")
+
+    class Throttle(bl_django.LimitThrottle):
+        limit = bl_django.Limit("50/minute", storage=dead_url, name="drf")
+
+    class Items(APIView):  # type: ignore[misc]  # DRF has no type information
+        throttle_classes = (Throttle,)
+
+    VIEWS[:] = [path("", hello), path("login", dead(hello)), path("items", Items.as_view())]
+    with override_settings(
+        ROOT_URLCONF=f"{__name__}_views",
+        MIDDLEWARE=["bucketlimit.django.RateLimitMiddleware"],
+        BUCKETLIMIT_LIMITS=[],
+    ):
+        yield
+    VIEWS.clear()
+
+
+@pytest.mark.usefixtures("django_views_on_a_dead_store")
+def test_django_asks_the_stores_of_the_views_limits_when_it_builds_the_middleware() -> None:
+    """The URLconf's ``@limit``s and DRF throttles are the app's too: building the
+    middleware (a worker's start) asks their stores, before any request to them."""
+    with pytest.raises(StoreCheckError, match=r"'view'|'drf'"):
+        Client().get("/")  # a route with no limit: the start failed, not the request
+    with override_settings(BUCKETLIMIT_CHECK_STORE=False):
+        assert Client().get("/").status_code == 200

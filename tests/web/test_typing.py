@@ -65,3 +65,24 @@ def test_a_key_function_must_return_a_str() -> None:
 
     limit = bl_fastapi.Limit(TokenBucketLimiter(1, 1), key=numeric)  # type: ignore[arg-type]
     assert limit.key is numeric  # accepted at run time; refused per request (KeyFunctionError)
+
+
+def test_the_limiter_factory_says_which_class_it_builds() -> None:
+    """``bucketlimit.limiter`` is typed by its arguments (overloads), so the decision's
+    fields need no cast: the default storage is the in-process limiter."""
+    import bucketlimit
+    from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
+
+    in_process: TokenBucketLimiter = bucketlimit.limiter("10/second")
+    assert in_process.allow("k").retry_after == 0.0  # a Decision, not an awaitable
+    url = "redis://127.0.0.1:1/0"  # nothing is sent at construction
+    asyncio_one: AsyncRedisTokenBucketLimiter = bucketlimit.limiter(
+        "10/second", storage=url, async_=True
+    )
+    blocking: TokenBucketLimiter | RedisTokenBucketLimiter = bucketlimit.limiter(
+        "10/second", storage=url, async_=False
+    )
+    assert isinstance(asyncio_one, AsyncRedisTokenBucketLimiter)
+    assert isinstance(blocking, RedisTokenBucketLimiter)
+    with pytest.raises(ValueError, match="async_=False with an async"):
+        bucketlimit.limiter("10/second", storage=f"async+{url}", async_=False)

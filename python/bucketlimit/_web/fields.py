@@ -279,12 +279,35 @@ def refusal_headers(decision: Decision) -> dict[str, str]:
     return headers
 
 
+_UNITS = ((86_400, "day"), (3_600, "hour"), (60, "minute"), (1, "second"))
+
+
+def describe_limit(applied: Applied) -> str:
+    """A limit as people read it, in the words of ``limits`` (flask-limiter, slowapi):
+    ``"5 per 1 minute"`` (a bucket of 5 that fills again in a minute), ``"3 at once"``
+    (a concurrency limit), ``"100 in all"`` (a quota that never refills)."""
+    quota = applied.decision.limit
+    if applied.concurrency:
+        return f"{quota} at once"
+    if applied.window is None:
+        return f"{quota} in all"
+    seconds, unit = next((s, u) for s, u in _UNITS if applied.window % s == 0)
+    count = applied.window // seconds
+    return f"{quota} per {count} {unit}{'' if count == 1 else 's'}"
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Everything an adapter writes for a refusal: status, headers (the RateLimit
-    fields, ``Retry-After``, ``Content-Type``) and the JSON body."""
+    fields, ``Retry-After``, ``Content-Type``) and the JSON body; ``limit`` is the
+    refusing limit as people read it (``"5 per 1 minute"``, :func:`describe_limit`),
+    which is also what ``str(refusal)`` shows."""
 
     status: int
     headers: dict[str, str]
     body: dict[str, object]
     decision: Decision
+    limit: str = ""
+
+    def __str__(self) -> str:
+        return self.limit or f"refused with {self.status}"

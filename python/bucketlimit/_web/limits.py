@@ -21,9 +21,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, ca
 from bucketlimit import _config, _errors
 from bucketlimit._core import ConcurrencyLimiter, Decision
 from bucketlimit._web import profiles
+from bucketlimit._web.buckets import LimitString
 from bucketlimit._web.fields import (
     Applied,
     Refusal,
+    describe_limit,
     partition_key,
     ratelimit_fields,
     refusal_body,
@@ -38,7 +40,7 @@ from bucketlimit._web.limiters import (
     is_concurrency_limiter,
     is_limiter,
 )
-from bucketlimit._web.procedure import H, Procedure, apply_limit
+from bucketlimit._web.procedure import H, Procedure, apply_limit, apply_limits
 from bucketlimit._web.reservations import AsyncReservation, Reservation
 from bucketlimit._web.waiting import ClientDisconnected, Waiting
 
@@ -139,6 +141,8 @@ if TYPE_CHECKING:  # a generic TypedDict needs Python 3.11 at run time
         headers: Headers | None
         on_refusal: RefusalHook | None
         concurrency: Concurrency | None
+        check_store: bool
+        scope: str | None
 
 
 def _check_functions(cost: object, exempt: object, on_refusal: object) -> None:
@@ -162,13 +166,24 @@ def _check_max_wait(max_wait: float) -> float:
     return max_wait
 
 
-def _check_name(name: str) -> str:
+def _check_name(name: str, what: str = "name") -> str:
     if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
+        raise TypeError(f"{what} must be a str, got {type(name).__name__}")
     # An RFC 9651 String holds printable ASCII only.
     if not name or not all(" " <= ch <= "~" for ch in name):
-        raise ValueError(f"name must be non-empty printable ASCII, got {name!r}")
+        raise ValueError(f"{what} must be non-empty printable ASCII, got {name!r}")
     return name
+
+
+def _limit_texts(text: str) -> list[str]:
+    """The limits of a limit string (several joined by ``;``), each checked."""
+    try:
+        return _config.split_limits(text)
+    except ValueError as error:
+        raise LimitStringError(
+            f"{error}; a Limit takes a limiter, a function of the request returning one, "
+            "or a limit string (several joined by ';')"
+        ) from None
 
 
 def _check_concurrency(concurrency: object) -> ConcurrencyLimiterLike:
@@ -209,7 +224,14 @@ class LimitSettings(Generic[R]):
       request: assigning another takes effect at once.
     - ``storage``: the storage URI of a limit string (``memory://``,
       ``redis://...``); ``None``: the app's (each adapter's :meth:`default_storage`),
-      read when the limit first decides.
+      read when the limit first decides. A limit string may hold several limits
+      joined by ``;`` (``"2/minute;10/hour"``): each is a limit of its own (its
+      :attr:`parts`, named by their strings), all applied in order.
+    - ``scope``: the buckets a limit string's limiter keeps are one set per
+      (scope, limit), the same in process and in Redis: by default the route the
+      limit is applied to (:meth:`attach`), else its name; the same ``scope`` on
+      several limits shares one set of buckets across their routes
+      (flask-limiter's ``shared_limit``).
     - ``key``: a function of the request returning a non-empty ``str`` (default:
       the adapter's ``remote_address``); ``None`` or ``""`` raises
       :class:`KeyFunctionError` rather than sharing one bucket.
@@ -237,6 +259,11 @@ class LimitSettings(Generic[R]):
       (the adapter releases it). With a limiter too, the limit is two policies:
       ``name`` and :attr:`concurrency_name`. A concurrency limiter may also be
       given as ``limiter``, alone.
+    - ``check_store``: ask the store of a Redis limiter (``check()``) once per
+      process before it first decides, unless the app's start-up asked it already;
+      one that does not answer raises :class:`StoreCheckError` (the request fails,
+      and the next asks again). ``False``: never ask; the limiter's
+      ``on_store_error`` policy answers.
 
     When several limits apply to a request and one refuses, the others' charges
     are refunded and their permits released: the request did not run. The
@@ -263,8 +290,12 @@ class LimitSettings(Generic[R]):
         storage: str | None = None,
         headers: Headers | None = None,
         on_refusal: RefusalHook | None = None,
+        check_store: bool = True,
+        scope: str | None = None,
     ) -> None:
         self.max_wait = _check_max_wait(max_wait)
+        #: Whether the store of a Redis limiter is asked before it first decides.
+        self.checks_store = bool(check_store)
         if key is None:
             key = type(self).default_key
         if not callable(key):
@@ -272,10 +303,38 @@ class LimitSettings(Generic[R]):
         _check_functions(cost, exempt, on_refusal)
         self.headers = profiles.check_headers(headers)
         self._lock = threading.Lock()
-        # A limit string whose storage is the app's: built when the limit first decides.
-        self._pending: str | None = None
+        self._attached = False
+        #: The limits of a string of several, each a limit of its own, applied in order.
+        self.parts: tuple[LimitSettings[R], ...] = ()
+        # A limit string's limiter is built on its storage (else the app's) when needed.
+        self._string: LimitString | None = None
+        self._pending = False
         self._limiter: Any = None
         self._concurrency: ConcurrencyLimiterLike | None = None
+        texts = _limit_texts(limiter) if isinstance(limiter, str) else []
+        if len(texts) > 1:
+            self.parts = tuple(
+                type(self)(
+                    text,
+                    name=text if name is None else f"{name} {text}",
+                    concurrency=concurrency if i == 0 else None,
+                    key=key,
+                    cost=cost,
+                    shadow=shadow,
+                    exempt=exempt,
+                    pk=pk,
+                    max_wait=max_wait,
+                    storage=storage,
+                    headers=headers,
+                    on_refusal=on_refusal,
+                    check_store=check_store,
+                    scope=scope,
+                )
+                for i, text in enumerate(texts)
+            )
+            limiter = concurrency = storage = scope = None
+            if name is None:
+                name = ";".join(texts)
         if is_concurrency_limiter(limiter) and not is_limiter(limiter):
             if concurrency is not None:
                 raise TypeError(
@@ -286,32 +345,23 @@ class LimitSettings(Generic[R]):
         if concurrency is not None:
             self.concurrency = concurrency
         if limiter is None:
-            if concurrency is None:
+            if concurrency is None and not self.parts:
                 raise TypeError(
                     "a Limit needs a limiter (or a function of the request returning one, "
                     "or a limit string), concurrency=, or both"
                 )
-            if storage is not None:
+            if storage is not None or scope is not None:
                 raise TypeError(
-                    f"storage= is for a limit string, not for concurrency={concurrency!r}"
+                    f"storage= and scope= are for a limit string, not for "
+                    f"concurrency={concurrency!r}"
                 )
         elif isinstance(limiter, str):
-            text = limiter.strip()
-            try:
-                _config.parse_limit(text)  # a bad string fails here, naming it
-            except ValueError as error:
-                raise LimitStringError(
-                    f"{error}; a Limit takes a limiter, a function of the request "
-                    "returning one, or a limit string"
-                ) from None
+            scope = None if scope is None else _check_name(scope, "scope")
+            self._string, self._pending = LimitString(texts[0], storage, scope), True
             if name is None:
-                name = text
-            if storage is None:
-                self._pending = text
-            else:
-                self.limiter = self.build(text, storage)
-        elif storage is not None:
-            raise TypeError(f"storage= is for a limit string, not for a limiter: {limiter!r}")
+                name = texts[0]
+        elif storage is not None or scope is not None:
+            raise TypeError(f"storage= and scope= are for a limit string, not for {limiter!r}")
         else:
             self.limiter = cast("AnyLimiter | PlanFunc[R]", limiter)
         self.key = key
@@ -327,11 +377,52 @@ class LimitSettings(Generic[R]):
         self._shadow_refusals = 0
         _register(self)
 
-    def build(self, text: str, storage: str) -> Any:
-        """The limiter of a limit string on ``storage`` (:func:`bucketlimit.limiter`:
-        the asyncio Redis limiter where this adapter is asyncio)."""
-        asyncio = _config.storage_scheme(storage)[0] != _config.MEMORY and self.storage_asyncio
-        return _config.limiter(text, storage=storage, async_=asyncio)
+    @property
+    def scope(self) -> str | None:
+        """The shared scope of a limit string's buckets (``scope=``), or ``None``."""
+        return None if self._string is None else self._string.scope
+
+    @property
+    def limit_string(self) -> str | None:
+        """The limit string whose limiter this limit uses (``"5/minute"``), or ``None``
+        when it was given a limiter (or one was assigned since)."""
+        string = self._string
+        if string is None or not (self._pending or self._limiter is string.built):
+            return None
+        return string.text
+
+    @property
+    def bucket_scope(self) -> str:
+        """Whose buckets a limit string's limiter keeps: the ``scope`` given, else the
+        route the limit was attached to, else the limit's name."""
+        return self.name if self._string is None else self._string.bucket_scope(self.name)
+
+    @property
+    def attached(self) -> bool:
+        """Whether :meth:`attach` has said where the limit applies."""
+        return self._attached
+
+    def attach(self, route: str | None) -> None:
+        """Says which route the limit is applied to (``None``: none, as for an app-wide
+        limit), so that a limit string keeps that route's buckets
+        (:attr:`bucket_scope`). The first call wins: one limit applied to several
+        routes keeps one set of buckets, as one in-process limiter does. The adapters
+        call it before the limit first decides, naming the first route of the app
+        (in the app's own order, so the same in every process) that applies it: an
+        endpoint (Flask), a URL pattern (Django), a method and path (FastAPI,
+        Litestar); a DRF throttle's limit is its throttle class's."""
+        for part in self.parts:
+            part.attach(route)
+        with self._lock:
+            if self._attached:
+                return
+            self._attached = True
+            string = self._string
+            if string is not None:
+                in_use = string.built is not None and self._limiter is string.built
+                rebuilt = string.attach(route, in_use, self.name, self.storage_asyncio)
+                if rebuilt is not None:  # built under its name before: now the route's
+                    self._limiter = rebuilt
 
     def default_storage(self) -> str:
         """The storage of a limit string given none: the app's, where the adapter
@@ -339,43 +430,43 @@ class LimitSettings(Generic[R]):
         else ``memory://``. Read once, when the limit first decides."""
         return "memory://"
 
-    def _bind(self) -> None:
+    def _bind(self, storage: str | None) -> None:
         with self._lock:
-            text = self._pending
-            if text is not None:
-                self.limiter = self.build(text, self.default_storage())
+            if not self._pending or self._string is None:
+                return
+            where = storage or self.default_storage()
+            self.limiter = self._string.build(where, self.name, self.storage_asyncio)
 
     @property
     def bound(self) -> bool:
-        """False while a limit string waits for the app's storage (until it first
-        decides, or :attr:`limiter` is read)."""
-        return self._pending is None
+        """False while a limit string waits for its storage (until it first decides,
+        or :attr:`limiter` is read, or :meth:`bind`)."""
+        if self._pending:
+            return False
+        return not self.parts or all(part.bound for part in self.parts)
 
     def bind(self, storage: str | None = None) -> None:
-        """Builds a limit string's limiter now, on ``storage`` (default: the app's,
-        :meth:`default_storage`); nothing for a limit that has its limiter."""
-        if self._pending is None:
-            return
-        if storage is None:
-            self._bind()
-            return
-        with self._lock:
-            if self._pending is not None:
-                self.limiter = self.build(self._pending, storage)
+        """Builds a limit string's limiter now: on its own ``storage=``, else on
+        ``storage`` (the app's), else on :meth:`default_storage`; nothing for a limit
+        that has its limiter."""
+        for part in self.parts:
+            part.bind(storage)
+        self._bind(storage)
 
     @property
     def limiter(self) -> AnyLimiter | PlanFunc[R] | None:
         """The limiter (or the function choosing one; ``None`` for a limit of
         concurrency alone); assign to replace it. A limit string waiting for the
         app's storage is built on it when first read."""
-        if self._pending is not None:
-            self._bind()
+        if self._pending:
+            self._bind(None)
         return cast("AnyLimiter | PlanFunc[R] | None", self._limiter)
 
     @limiter.setter
     def limiter(self, limiter: AnyLimiter | PlanFunc[R] | None) -> None:
-        if limiter is None and self._concurrency is not None:  # concurrency alone
-            self._limiter, self._pending = None, None
+        if limiter is None and (self._concurrency is not None or self.parts):
+            # concurrency alone, or a limit of several (its parts have the limiters)
+            self._limiter, self._pending = None, False
             return
         if is_limiter(limiter):
             self.check_limiter(cast(AnyLimiter, limiter))
@@ -387,7 +478,7 @@ class LimitSettings(Generic[R]):
                 f"returning a limiter: {limiter!r}"
             )
         self._limiter = limiter
-        self._pending = None
+        self._pending = False
 
     @property
     def concurrency(self) -> ConcurrencyLimiterLike | None:
@@ -406,7 +497,7 @@ class LimitSettings(Generic[R]):
         """The policy name of the concurrency limit in the fields: :attr:`name` when
         it is the limit's only policy, else ``"<name>-concurrency"`` (next to the
         limiter's ``name``)."""
-        if self._limiter is None and self._pending is None:
+        if self._limiter is None and not self._pending:
             return self.name
         return f"{self.name}-concurrency"
 
@@ -466,7 +557,10 @@ class LimitSettings(Generic[R]):
     ) -> Procedure[tuple[H | None, bool]]:
         """Applies this limit to ``request``: the one procedure of every adapter,
         :func:`bucketlimit._web.procedure.apply_limit` (which says what it yields and
-        returns), driven by :func:`run` or :func:`run_async`."""
+        returns), driven by :func:`run` or :func:`run_async`; a limit of several
+        (:attr:`parts`) applies each in order (:func:`apply_limits`)."""
+        if self.parts:
+            return apply_limits(self.parts, request, limits_of, describe, hold)
         return apply_limit(self, request, limits_of, describe, hold)
 
     def partition_key(self, name: str, key: str) -> bytes | None:
@@ -513,8 +607,10 @@ class RequestLimits:
     """The limits applied to one request, in order; the one writer of its fields;
     the holder of its permits until the response ends.
 
-    ``headers`` (the header profiles of limits that name none) and ``on_refusal``
-    (the refusal hook of limits that have none) are the app's, set by the adapter
+    ``headers`` (the header profiles of limits that name none), ``on_refusal``
+    (the refusal hook of limits that have none), ``check_store`` (``False``: no
+    limit asks its store before it first decides) and ``storage`` (where a limit
+    string that names none keeps its buckets) are the app's, set by the adapter
     (Flask's extension, the ASGI middleware, Django's settings).
 
     The permits of its limits (``concurrency=``) are released by :meth:`close`,
@@ -524,14 +620,30 @@ class RequestLimits:
     ``ttl`` keeps its slot.
     """
 
-    __slots__ = ("_renew_at", "_ttl", "closing", "entries", "headers", "on_refusal", "permits")
+    __slots__ = (
+        "_renew_at",
+        "_ttl",
+        "checks_store",
+        "closing",
+        "entries",
+        "headers",
+        "on_refusal",
+        "permits",
+        "storage",
+    )
 
     def __init__(
-        self, headers: tuple[str, ...] | None = None, on_refusal: RefusalHook | None = None
+        self,
+        headers: tuple[str, ...] | None = None,
+        on_refusal: RefusalHook | None = None,
+        check_store: bool = True,
+        storage: str | None = None,
     ) -> None:
         self.entries: list[_Entry] = []
         self.headers = profiles.DEFAULT if headers is None else headers
         self.on_refusal = on_refusal
+        self.checks_store = check_store
+        self.storage = storage
         #: The permits the request holds, until :meth:`close`.
         self.permits: list[Any] = []
         #: Whether an adapter has arranged for :meth:`close` at the end of a streamed
@@ -644,7 +756,8 @@ class RequestLimits:
             body = profiles.openai_body(applied)
         else:
             body = refusal_body(applied)
-        return Refusal(refusal_status(applied), headers, body, applied.decision)
+        status = refusal_status(applied)
+        return Refusal(status, headers, body, applied.decision, describe_limit(applied))
 
     def refusal_hook(self) -> RefusalHook | None:
         """The ``on_refusal`` of the refusing limit, else the app's, else ``None``."""

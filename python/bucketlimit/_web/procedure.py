@@ -9,7 +9,7 @@ writes what it decided into the request's ``RequestLimits``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from bucketlimit._core import Decision
@@ -17,6 +17,7 @@ from bucketlimit._reservations import AsyncReservationLike, ReservationLike
 from bucketlimit._web.fields import Applied
 from bucketlimit._web.limiters import AnyLimiter, ConcurrencyLimiterLike, is_limiter
 from bucketlimit._web.reservations import AsyncReservation, Reservation
+from bucketlimit._web.startup import check_now, unchecked
 from bucketlimit._web.waiting import ClientDisconnected, permit_waiting, token_waiting
 
 if TYPE_CHECKING:
@@ -59,10 +60,16 @@ def apply_limit(
     where = _Where(describe, request)  # formatted only for an error or a log line
     key = limit.checked_key((yield limit.key, (request,)), where)
     cost = (yield limit.cost, (request,)) if callable(limit.cost) else limit.cost
-    chosen = limit.limiter  # read once; a limit string is built on the app's storage
+    if not limit.bound:  # a limit string naming no storage: the app's
+        limit.bind(limits.storage)
+    chosen = limit.limiter  # read once
     limiter, name = cast(AnyLimiter, chosen), limit.name  # None: concurrency alone
     if chosen is not None and not is_limiter(chosen):  # a plan function: this request's
         limiter, name = limit.chosen((yield cast(Step, (chosen, (request,)))))
+    if limit.checks_store and limits.checks_store:  # a store not asked yet in this process
+        for each in (limiter, limit.concurrency):
+            if unchecked(each):
+                yield check_now, (limit, each)
     permit: Any = None  # the request's permit (concurrency=): taken before its tokens
     before: tuple[Applied, ...] = ()
     concurrency = limit.concurrency
@@ -119,6 +126,24 @@ def apply_limit(
     for other in limits.others(limit):  # the request did not run: refund the others
         yield other.cancel, ()
     return held, True
+
+
+def apply_limits(
+    parts: Sequence[LimitSettings[R]],
+    request: R,
+    limits_of: Callable[[], RequestLimits],
+    describe: Callable[[R], str],
+    hold: Callable[[AnyLimiter, str, int, Decision], H],
+) -> Procedure[tuple[H | None, bool]]:
+    """Applies the limits of a limit string of several (``"2/minute;10/hour"``) in
+    order, as :func:`apply_limit` each: the first that refuses ends it (and gives
+    back what those before it charged). Returns the last reservation made."""
+    held: H | None = None
+    for part in parts:
+        held, refused = yield from apply_limit(part, request, limits_of, describe, hold)
+        if refused:
+            return held, True
+    return held, False
 
 
 def _take_permit(
