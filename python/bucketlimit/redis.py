@@ -265,8 +265,8 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         gave it stays yours to close). Also ``with limiter:``."""
         if self._leases is not None:
             run(leases.give_back_all(self._state, self._leases), self._state)
-        self._state.land()  # the commands of other threads land first
         if self._owned is not None and self._owned.built:
+            self._state.land()  # the commands of other threads land first
             self._owned.get().close()
 
     def _give_back_at_exit(self) -> None:
@@ -388,8 +388,8 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         gave it stays yours to close). Also ``async with limiter:``."""
         if self._leases is not None:
             await run_async(leases.give_back_all(self._state, self._leases), self._state)
-        await self._state.land_async()  # the commands of other tasks land first
         if self._owned is not None and self._owned.built:
+            await self._state.land_async()  # the commands of other tasks land first
             await closed_async(self._owned.get())
 
     def _give_back_at_exit(self) -> None:

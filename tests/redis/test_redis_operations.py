@@ -401,15 +401,16 @@ def test_a_burst_larger_than_the_pool_waits_for_a_connection(redis_url: str) -> 
     assert int(value.split()[0]) // 1_000_000 == 1_000 - BURST, "charged once per admission"
 
 
-def test_an_exhausted_pool_of_your_own_answers_from_the_policy_without_an_outage(
+def test_an_exhausted_pool_of_your_own_is_waited_for_then_answered_by_the_policy(
     redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A client you built with a small pool that raises when full: the calls that find
-    # it full are answered by the policy, marked degraded; the store is not down, so
-    # the breaker stays closed and nothing is logged as an outage.
+    # A client you built with a small pool that raises when full: a call that finds it
+    # full waits for a connection (nothing was sent); one still without a connection
+    # after drivers.POOL_WAIT is answered by the policy, marked degraded. The store is
+    # not down, so the breaker stays closed and nothing is logged as an outage.
     caplog.set_level(logging.INFO, logger="bucketlimit")
 
-    async def main() -> tuple[list[Decision], Decision, RedisLimiterStats]:
+    async def main() -> tuple[list[Decision], list[Decision], Decision, RedisLimiterStats]:
         client = redis.asyncio.Redis.from_url(
             redis_url, max_connections=5, retry=redis.asyncio.retry.Retry(NoBackoff(), 0)
         )
@@ -419,20 +420,27 @@ def test_an_exhausted_pool_of_your_own_answers_from_the_policy_without_an_outage
             client, 1_000, 0, on_store_error="closed", batching=False, prefix="bucketlimit:"
         )
         try:
-            answers = await asyncio.gather(*(limiter.allow("k") for _ in range(40)))
-            return list(answers), await limiter.allow("k"), limiter.stats()
+            burst = await asyncio.gather(*(limiter.allow("k") for _ in range(40)))
+            # Every connection held by a command that blocks past the pool wait.
+            held = [asyncio.ensure_future(client.blpop(["nothing"], timeout=3)) for _ in range(5)]
+            admin = redis.Redis.from_url(redis_url)
+            while admin.info("clients")["blocked_clients"] < 5:  # every connection is held
+                await asyncio.sleep(0.01)
+            admin.close()
+            starved = await asyncio.gather(*(limiter.allow("k") for _ in range(5)))
+            await asyncio.gather(*held)
+            return list(burst), list(starved), await limiter.allow("k"), limiter.stats()
         finally:
             await client.aclose()
 
-    answers, later, stats = asyncio.run(main())
-    degraded = [a for a in answers if a.degraded]
-    assert 0 < len(degraded) < 40
-    assert all(not a.allowed for a in degraded), 'under "closed" a degraded answer refuses'
+    burst, starved, later, stats = asyncio.run(main())
+    assert not any(a.degraded for a in burst), "a burst waits for its pool's connections"
+    assert all(a.degraded and not a.allowed for a in starved), '"closed": refused, degraded'
     assert not later.degraded, "the next call asks the store"
     assert stats["breaker_openings"] == stats["store_errors"] == 0
-    assert stats["fallback_decisions"] == len(degraded)
+    assert stats["fallback_decisions"] == len(starved)
     # No outage, so no breaker's lines; but the first answer without the store says
-    # why, once (issue 19 A2: a degraded answer is never silent).
+    # why, once (a degraded answer is never silent).
     [record] = [r for r in caplog.records if r.name == "bucketlimit"]
     assert record.levelno == logging.WARNING
     assert "answered without its store for the first time (MaxConnectionsError" in (

@@ -138,15 +138,21 @@ def test_aclose_lets_the_other_tasks_calls_land_and_then_refuses_new_ones(
     assert spent(redis_server.url, "aclose:") == admitted
 
 
-def test_a_closed_limiter_says_so(redis_client: redis.Redis) -> None:
-    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="closed:", processes=1)
+def test_a_limiter_that_closed_its_client_says_so(redis_server: RedisServer) -> None:
+    limiter = RedisTokenBucketLimiter.from_url(redis_server.url, 3, 1, prefix="closed:")
     assert limiter.allow("k")
     limiter.close()
-    with pytest.raises(
-        RuntimeError, match=r"RedisTokenBucketLimiter\(prefix='closed:'\) is closed"
-    ):
+    with pytest.raises(RuntimeError, match=r"\(prefix='closed:'\) is closed"):
         limiter.allow("k")
-    redis_client.ping()  # a client the user gave stays theirs, open
+
+
+def test_a_limiter_on_a_client_of_yours_goes_on_after_close(redis_client: redis.Redis) -> None:
+    # close() gives back the leases; the client stays yours, open, and so does the limiter.
+    limiter = RedisTokenBucketLimiter(redis_client, 3, 1, prefix="yours:", processes=1)
+    assert limiter.allow("k")
+    limiter.close()
+    assert limiter.allow("k")
+    redis_client.ping()
 
 
 # -- fencing tokens on a limiter given a clock ---------------------------------------------

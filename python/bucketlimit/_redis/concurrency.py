@@ -584,8 +584,8 @@ class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
         have landed; a waiter still waiting gets a ``RuntimeError`` at its next
         question (its place lapses). Also ``with limiter:``."""
         self._state.wakeups.stop()
-        self._state.land()
         if self._owned is not None and self._owned.built:
+            self._state.land()
             self._owned.get().close()
 
     def __enter__(self) -> RedisConcurrencyLimiter:
@@ -636,8 +636,8 @@ class AsyncRedisConcurrencyLimiter(RedisConcurrency[AsyncClient]):
         """Stops the wake-up listener and closes the client :meth:`from_url` built.
         Also ``async with limiter:``."""
         self._state.wakeups.stop()
-        await self._state.land_async()
         if self._owned is not None and self._owned.built:
+            await self._state.land_async()
             await closed_async(self._owned.get())
 
     async def __aenter__(self) -> AsyncRedisConcurrencyLimiter:
