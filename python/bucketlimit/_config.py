@@ -41,8 +41,11 @@ PERIODS: dict[str, int] = {
     "year": 360 * 86400,
 }
 
+# Each run of spaces is read by one \s* that a non-space must follow, so a refusal
+# backtracks over each run once: linear in the string (adjacent \s* would try every
+# way to share a run between them).
 _ONE = re.compile(
-    r"\s*(?P<count>[0-9]+)\s*(?:/|\s*per\s*)\s*(?P<multiple>[0-9]+)?\s*"
+    r"\s*(?P<count>[0-9]+)\s*(?:/|per)\s*(?:(?P<multiple>[0-9]+)\s*)?"
     r"(?P<period>second|minute|hour|day|month|year)s?\s*",
     re.IGNORECASE,
 )
