@@ -335,20 +335,33 @@ class _Settings:
             used = self.usage(response)
             if used is not None:
                 yield from self._settle(key, costs, taken, reservation, self._used(costs, used))
-        observations = parse(response.headers)
-        for seen in observations:
-            limiter = self.limiters.get(seen.resource)
-            if limiter is not None:
-                remaining, words = self._words(seen, limiter)
-                yield Call(limiter.observe, (key, remaining), words)
+        yield from self._observe(key, parse(response.headers))
+
+    def _observe(self, key: str, observations: list[Observation]) -> Generator[Step, Any, None]:
+        """Applies a response's reports, the hold first, each on its own: one that
+        fails (a store error) is logged and loses only itself, so nothing is sent
+        before a hold ends whatever else the response said."""
+        reports: list[Call] = []
         holds = [seen.retry_after for seen in observations if seen.retry_after]
         if holds:
             # Every limiter holds the key (so nothing is granted before its end),
             # and so does the hold key (so nothing granted before waits less).
             hold = (("retry_after", max(holds)),)
             for limiter in self.limiters.values():
-                yield Call(limiter.observe, (key, limiter.capacity), hold)
-            yield Call(self.holder.observe, (_hold_key(key), self.holder.capacity), hold)
+                reports.append(Call(limiter.observe, (key, limiter.capacity), hold))
+            reports.append(Call(self.holder.observe, (_hold_key(key), self.holder.capacity), hold))
+        for seen in observations:
+            limiter = self.limiters.get(seen.resource)
+            if limiter is not None:
+                remaining, words = self._words(seen, limiter)
+                reports.append(Call(limiter.observe, (key, remaining), words))
+        for report in reports:
+            try:
+                yield report
+            except Exception:
+                logger.warning(
+                    "a report of the upstream for key %r was not applied", key, exc_info=True
+                )
 
     def _used(self, costs: list[tuple[Any, int]], used: Tokens) -> list[int]:
         tokens_in, tokens_out = used

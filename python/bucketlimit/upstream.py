@@ -24,12 +24,13 @@ per resource; each provider is a row of data (:data:`PROFILES`), not code:
 
 Times given as dates (Anthropic's resets, an HTTP-date ``Retry-After``) are read
 against the response's ``Date`` field when it has one (the server's clock, so a
-skewed local clock does not matter), else against ``time.time()``. A value that is
-not what its field should hold (negative, without units, garbage, a duration of more
-than 64 characters) is ignored, with one log line on the ``bucketlimit`` logger (a
-WARNING the first time a field is bad, DEBUG after, the value shortened): never an
-exception, so a quirky header cannot fail a request, and no value costs more than a
-pass over it.
+skewed local clock does not matter), else against ``time.time()``. A count above
+2**64 - 1 (more than any limiter holds) is read as 2**64 - 1, what every ``observe``
+takes. A value that is not what its field should hold (negative, without units,
+garbage, a duration of more than 64 characters) is ignored, with one log line on the
+``bucketlimit`` logger (a WARNING the first time a field is bad, DEBUG after, the
+value shortened): never an exception, so a quirky header cannot fail a request, and
+no value costs more than a pass over it.
 """
 
 from __future__ import annotations
@@ -127,11 +128,18 @@ def rfc3339(text: str, now: float) -> float:
     return max(0.0, moment.timestamp() - now)
 
 
+# The largest count an observation carries, 2**64 - 1: the most a limiter's observe
+# takes, and more than any bucket holds, so a larger count says no more.
+_MOST: Final = 2**64 - 1
+
+
 def _count(text: str) -> int:
     text = text.strip()
     if not text.isdigit() or not text.isascii():
         raise ValueError(f"not a count (a whole number >= 0): {text!r}")
-    return int(text)
+    digits = text.lstrip("0")
+    # Over 20 digits is over _MOST: not converted (int() of a long text is slow).
+    return _MOST if len(digits) > 20 else min(int(digits or "0"), _MOST)
 
 
 def _http_date(text: str) -> float:

@@ -231,6 +231,7 @@ EVERY_FIELD = [
     for field in ("limit", "remaining", "reset")
     if (name := profile.pattern.format(resource=resource, field=field)) != WARNED_ONCE
 ] + ["retry-after", "retry-after-ms", "date", "ratelimit", "ratelimit-policy"]
+MOST = 2**64 - 1
 OPENAI = ("requests", "tokens")  # the first observations: OpenAI's fields
 
 
@@ -240,7 +241,7 @@ OPENAI = ("requests", "tokens")  # the first observations: OpenAI's fields
 @pytest.mark.parametrize(
     ("value", "kept"),
     [
-        ("1" * 2**20, []),
+        ("1" * 2**20, [Observation(r, MOST, limit=MOST) for r in OPENAI]),
         ("1h" * 2**19 + "x", []),
         (" " * 2**20 + "1", [Observation(r, 1, limit=1, retry_after=0.001) for r in OPENAI]),
     ],
@@ -265,6 +266,13 @@ def test_a_duration_longer_than_any_go_writes_is_refused_unread() -> None:
     for text in ("1" * 65, "1" * 2**20, "1s" * 2**19):
         with pytest.raises(ValueError, match=f"{len(text)} characters, more than 64"):
             upstream.duration(text)
+
+
+def test_a_count_beyond_what_any_limiter_holds_is_read_as_the_most_it_takes() -> None:
+    headers = {"x-ratelimit-remaining-tokens": "9" * 25, "x-ratelimit-limit-tokens": "0" * 30 + "7"}
+    assert parse(headers) == [Observation("tokens", MOST, limit=7)]
+    assert parse({"x-ratelimit-remaining-tokens": str(MOST + 1)})[0].remaining == MOST
+    assert parse({"x-ratelimit-remaining-tokens": str(MOST)})[0].remaining == MOST
 
 
 def test_a_bad_field_warns_once_then_quietly(caplog: pytest.LogCaptureFixture) -> None:

@@ -119,6 +119,18 @@ def test_a_429_holds_every_request_until_its_retry_after(clock: ManualClock) -> 
     assert second == pytest.approx(102.5 + tpm.peek(KEY).reset_after - 60, abs=0.01) or second < 105
 
 
+def test_a_429s_hold_is_kept_whatever_count_the_response_carries(clock: ManualClock) -> None:
+    provider, client, _rpm, _tpm = setup(clock)
+    # A count of 25 digits, more than any limiter holds, beside the Retry-After.
+    provider.status = 429
+    provider.headers = {"retry-after": "2", "x-ratelimit-remaining-tokens": "9" * 25}
+    assert client.post(URL, json=CHAT).status_code == 429
+    provider.status, provider.headers = 200, {}
+    client.post(URL, json=CHAT)
+    first, second = provider.arrivals
+    assert second - first >= 2, "a request was sent before the 429's Retry-After ended"
+
+
 class HoldingClock(ManualClock):
     """A ManualClock whose first sleep runs ``during_sleep`` first: another worker's
     429, seen while this one waits its turn."""
