@@ -420,13 +420,18 @@ class _Settings:
     def _words(self, seen: Observation, limiter: Any) -> tuple[int, tuple[tuple[str, Any], ...]]:
         """observe's remaining and words for one observation, keeping ``margin`` of the
         provider's limit unspent: a limit that much lower, and as much less remaining
-        (the limiter's capacity stands for a limit not said)."""
+        (the limiter's capacity stands for a limit not said). Its hold goes with it:
+        a hold's end makes a token, whatever remains (docs/design.md §4)."""
         capacity = limiter.capacity
         if seen.limit is not None and seen.limit < capacity:
             self._report(seen, capacity)
         limit = capacity if seen.limit is None else seen.limit
         kept = math.ceil(limit * self.margin)
-        words = (("limit", limit - kept), ("reset_after", seen.reset_after))
+        words = (
+            ("limit", limit - kept),
+            ("reset_after", seen.reset_after),
+            ("retry_after", seen.retry_after),
+        )
         return max(0, seen.remaining - kept), words
 
     def _report(self, seen: Observation, capacity: int) -> None:

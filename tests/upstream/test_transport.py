@@ -131,6 +131,19 @@ def test_a_429s_hold_is_kept_whatever_count_the_response_carries(clock: ManualCl
     assert second - first >= 2, "a request was sent before the 429's Retry-After ended"
 
 
+def test_a_bare_retry_after_delays_by_the_hold_and_no_more(clock: ManualClock) -> None:
+    provider = Provider(clock)
+    rph = TokenBucketLimiter(100, 100, per=3600, clock=clock)  # a token every 36 s
+    transport = RateLimitTransport(httpx.MockTransport(provider), requests=rph, clock=clock)
+    client = httpx.Client(transport=transport)
+    provider.status, provider.headers = 429, {"retry-after": "1"}
+    assert client.post(URL, json=CHAT).status_code == 429
+    provider.status, provider.headers = 200, {}
+    client.post(URL, json=CHAT)
+    first, second = provider.arrivals
+    assert second - first == 1.0, "the next request did not go at the hold's end"
+
+
 class HoldingClock(ManualClock):
     """A ManualClock whose first sleep runs ``during_sleep`` first: another worker's
     429, seen while this one waits its turn."""
