@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from bucketlimit._core import TokenBucketLimiter
+from bucketlimit._errors import without_password
 
 if TYPE_CHECKING:
     from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
@@ -149,7 +150,7 @@ def storage_scheme(storage: str) -> tuple[str, str, bool]:
         known = ", ".join(f"{s}://" for s in STORAGE_SCHEMES)
         raise ValueError(
             f"storage must be a URI starting with one of {known} (async+ before a Redis one "
-            f"for asyncio), got {storage!r}"
+            f"for asyncio), got {without_password(storage)!r}"
         )
     return scheme, uri, asyncio
 
