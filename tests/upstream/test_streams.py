@@ -84,7 +84,7 @@ class Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def upstream() -> Iterator[Upstream]:
     server = Upstream()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield server
     server.release.set()  # a handler still waiting ends now
