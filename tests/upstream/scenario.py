@@ -105,7 +105,9 @@ def provider(scale: Scale, log_file: Path) -> Iterator[str]:
 
 def other_consumer(url: str, scale: Scale, start: float) -> None:
     """Spends ``OTHER_SHARE`` of the true token rate in requests every 0.1 s, outside
-    bucketlimit (and waits out its own 429s, as a well-behaved service would)."""
+    bucketlimit (and waits out its own 429s, as a well-behaved service would); a
+    request sent late (a loaded machine) moves the next ones later rather than
+    bursting to catch up."""
     each = round(scale.tokens / scale.window * OTHER_SHARE * 0.1)
     body = {
         "model": "m",
@@ -120,7 +122,7 @@ def other_consumer(url: str, scale: Scale, start: float) -> None:
             if answer.status_code == 429:
                 time.sleep(float(answer.headers["retry-after-ms"]) / 1000)
                 continue
-            due += 0.1
+            due = max(due + 0.1, time.monotonic())
 
 
 def run(
@@ -164,8 +166,9 @@ def run(
 
 
 def drain(url: str, scale: Scale, at: float) -> None:
-    """A burst elsewhere at ``at`` (``time.monotonic()``): a window and a half of the
-    provider's tokens at once, so that the workers' next requests get 429."""
+    """A burst elsewhere at ``at`` (``time.monotonic()``): three windows of the
+    provider's tokens at once, so that it refuses everything for two windows and the
+    workers' next requests get 429, however late a loaded machine sends them."""
     time.sleep(max(0.0, at - time.monotonic()))
-    headers = {"x-tokens": str(int(scale.tokens * 1.5))}
+    headers = {"x-tokens": str(scale.tokens * 3)}
     httpx.post(f"{url}/drain", headers=headers, timeout=10).raise_for_status()

@@ -56,7 +56,7 @@ def test_workers_follow_a_provider_below_their_configuration(
 def test_after_a_429_no_worker_sends_before_its_retry_after(
     client: str, redis_url: str, tmp_path: Path
 ) -> None:
-    scale = dataclasses.replace(SCALE, windows=5)
+    scale = dataclasses.replace(SCALE, windows=6)
     with scenario.provider(scale, tmp_path / "provider.log") as url:
         # A burst elsewhere drains the provider 1 s into the run.
         run = scenario.run(
