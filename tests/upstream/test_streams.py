@@ -128,28 +128,26 @@ def test_a_streamed_body_reaches_the_caller_as_it_comes(
         assert b'"released": true' in b"".join(chunks)
 
 
-def test_a_streamed_json_body_settles_its_usage_at_its_end(upstream: Upstream) -> None:
+@pytest.mark.parametrize(
+    ("to_its_end", "left"), [(True, SETTLED), (False, UNSETTLED)], ids=["read", "closed early"]
+)
+def test_a_streamed_json_body_settles_its_usage_once_it_has_all_come(
+    upstream: Upstream, to_its_end: bool, left: int
+) -> None:
     tpm, words = budget()
     transport = RateLimitTransport(httpx.HTTPTransport(), **words)
     with httpx.Client(transport=transport, timeout=30) as client:
         url = stream_url(upstream, "application/json")
         with client.stream("POST", url, json=CHAT) as response:
-            upstream.release.set()
-            assert json.loads(response.read())["usage"] == USAGE
-        client.post(f"{upstream.url}/json", json=CHAT)  # gzip-encoded: read decoded
-    assert tpm.peek(KEY).remaining == SETTLED, "the stream's usage did not settle its estimate"
-
-
-def test_a_stream_closed_before_its_end_keeps_its_estimate(upstream: Upstream) -> None:
-    tpm, words = budget()
-    transport = RateLimitTransport(httpx.HTTPTransport(), **words)
-    with httpx.Client(transport=transport, timeout=30) as client:
-        url = stream_url(upstream, "application/json")
-        with client.stream("POST", url, json=CHAT) as response:
-            next(response.iter_bytes())
+            if to_its_end:
+                upstream.release.set()
+                assert json.loads(response.read())["usage"] == USAGE
+            else:
+                next(response.iter_bytes())  # then closed
         upstream.release.set()
-        client.post(f"{upstream.url}/json", json=CHAT)
-    assert tpm.peek(KEY).remaining == UNSETTLED, "a body never read whole settled a usage"
+        client.post(f"{upstream.url}/json", json=CHAT)  # gzip-encoded: read decoded
+    wrong = "its usage did not settle" if to_its_end else "it settled a usage it never had"
+    assert tpm.peek(KEY).remaining == left, f"a stream {wrong}"
 
 
 def test_the_asyncio_transport_streams_and_settles_alike(upstream: Upstream) -> None:
