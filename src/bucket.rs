@@ -413,12 +413,14 @@ impl Report {
     /// `limit` (the limiter's capacity when not said); `reset_after`, the µs
     /// after `at` until it is full again, refilling steadily (`Some(None)`:
     /// never); `retry_after`, the µs after `at` before it accepts anything (a
-    /// 429's hold; `Some(None)`: never). Three bounds, each a point on the
-    /// bucket's own refill line, so the lowest is the one kept:
+    /// 429's hold; `Some(None)`: never). Each bound is a point on the bucket's
+    /// own refill line:
     /// - the bucket holds at most `min(remaining, limit)` tokens at `at`;
     /// - it reaches `m = min(capacity, limit)` tokens no sooner than the
     ///   upstream does (`reset_after` said): `m` less its own refill until then;
-    /// - during a hold it holds less than a token: one token at its end.
+    ///
+    /// the lower of the two is kept, unless a hold is said: then less than a
+    /// token until the hold's end and one token at it, whatever the others say.
     #[must_use]
     pub fn new(
         config: &Config,
@@ -445,6 +447,15 @@ impl Report {
                 .and_then(|units| i128::try_from(units).ok())
                 .map_or(floor, |units| (i128::from(level) * unit - units).max(floor))
         };
+        if let Some(hold) = retry_after {
+            // The upstream names when it takes a request again: that settles it.
+            // What remains would put the token later (a 429's "0 left" at 100 an
+            // hour is a token 36 s on, whatever the hold).
+            return Report {
+                cap: line(1, hold),
+                at,
+            };
+        }
         if let Some(reset) = reset_after {
             let m = config.capacity.min(limit_given);
             if left < m {
@@ -457,9 +468,6 @@ impl Report {
                 });
                 cap = cap.min(line(m, until_m));
             }
-        }
-        if let Some(hold) = retry_after {
-            cap = cap.min(line(1, hold));
         }
         Report {
             cap: cap.max(floor),
@@ -791,6 +799,18 @@ mod tests {
     }
 
     #[test]
+    fn a_holds_end_makes_a_token_whatever_else_the_report_says() {
+        // 100 an hour: a token every 36 s. "Nothing left" and a reset an hour away
+        // would put the next token 36 s on; the 1 s hold puts it at 1 s.
+        let c = Config::new(100, Number::Int(100), Number::Int(3600)).unwrap();
+        let r = Report::new(&c, 0, Some(100), Some(Some(3600 * S)), Some(Some(S)), 0);
+        let (d, held) = Bucket::full(&c, 0).observed(&c, &r, 0);
+        assert_eq!(d.retry_after, Some(S));
+        assert!(!held.refilled(&c, S as i64 - 1).decide(&c, 1).0.allowed);
+        assert!(held.refilled(&c, S as i64).decide(&c, 1).0.allowed);
+    }
+
+    #[test]
     fn a_quota_is_only_lowered_to_what_remains() {
         let c = config(10, 0.0);
         let r = Report::new(&c, 4, Some(10), Some(Some(S)), Some(Some(S)), 0);
@@ -992,18 +1012,21 @@ mod tests {
         }
 
         /// After a hold of `h` µs nothing passes before its end, whatever the
-        /// bucket held; one token passes at it when the hold is all that bounds.
+        /// bucket held; one token passes at it, whatever else the report says,
+        /// when the bucket held that much (a report never raises it).
         #[test]
         fn nothing_passes_during_a_hold(
             c in arb_config(),
             spent in 0u64..1000,
             hold in 1u128..5_000_000,
             cost in 1u64..1000,
+            remaining in prop::option::of(0u64..1500),
+            reset in prop::option::of(0u128..20_000_000),
         ) {
             prop_assume!(c.per_micro > 0);
             let (_, b) = Bucket::full(&c, 0).decide(&c, spent.min(c.capacity));
-            // Only the hold: what remains is said to be plenty.
-            let r = Report::new(&c, u64::MAX, None, None, Some(Some(hold)), 0);
+            let left = remaining.unwrap_or(u64::MAX);
+            let r = Report::new(&c, left, None, reset.map(Some), Some(Some(hold)), 0);
             let (d, held) = b.observed(&c, &r, 0);
             prop_assert!(d.retry_after >= Some(hold));
             let end = hold as i64;

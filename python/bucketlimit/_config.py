@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 from bucketlimit._core import TokenBucketLimiter
+from bucketlimit._errors import without_password
 
 if TYPE_CHECKING:
     from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
@@ -41,8 +42,11 @@ PERIODS: dict[str, int] = {
     "year": 360 * 86400,
 }
 
+# Each run of spaces is read by one \s* that a non-space must follow, so a refusal
+# backtracks over each run once: linear in the string (adjacent \s* would try every
+# way to share a run between them).
 _ONE = re.compile(
-    r"\s*(?P<count>[0-9]+)\s*(?:/|\s*per\s*)\s*(?P<multiple>[0-9]+)?\s*"
+    r"\s*(?P<count>[0-9]+)\s*(?:/|per)\s*(?:(?P<multiple>[0-9]+)\s*)?"
     r"(?P<period>second|minute|hour|day|month|year)s?\s*",
     re.IGNORECASE,
 )
@@ -146,7 +150,7 @@ def storage_scheme(storage: str) -> tuple[str, str, bool]:
         known = ", ".join(f"{s}://" for s in STORAGE_SCHEMES)
         raise ValueError(
             f"storage must be a URI starting with one of {known} (async+ before a Redis one "
-            f"for asyncio), got {storage!r}"
+            f"for asyncio), got {without_password(storage)!r}"
         )
     return scheme, uri, asyncio
 

@@ -150,7 +150,8 @@ class TokenBucketLimiter:
         (refilled since at its own rate), never more than it did. With ``reset_after``
         (seconds until the upstream is full again) it reaches ``min(capacity,
         limit)`` no sooner than the upstream; with ``retry_after`` (a 429's hold) no
-        request passes before then. ``at`` is a reading of the limiter's clock
+        request passes before then, and one token is there at its end, whatever the
+        report says besides. ``at`` is a reading of the limiter's clock
         (``time.monotonic()`` for the built-in one; default: now); a stale report only
         bounds what it still implies. Answers the bucket as it stands after it:
         allowed when it holds a token, ``retry_after`` the wait for one."""

@@ -19,12 +19,14 @@ sync and the asyncio transport alike):
    no deep queue is ever promised tokens that a report or a hold could no longer
    give. A hold (below) is waited out even by a request already granted.
 3. **Send** it through the wrapped transport.
-4. **Settle**: the tokens the response's ``usage`` reports replace the estimate
-   (default :func:`read_usage`, for JSON responses); a streamed, failed or
-   unreadable response keeps the estimate.
-5. **Observe**: what the headers say (:func:`bucketlimit.upstream.parse`) lowers
+4. **Observe**: what the headers say (:func:`bucketlimit.upstream.parse`) lowers
    the limiter of each resource, keeping ``margin`` of the provider's limit
    unspent; a 429's ``Retry-After`` holds the key for every worker until then.
+   Then the response is returned, its body passed on as it comes.
+5. **Settle**: once the body has all come (read whole, or a stream read to its
+   end), the tokens its ``usage`` reports replace the estimate (default
+   :func:`read_usage`, for JSON responses); a stream closed before its end, a
+   failed or unreadable response, or a body over 4 MiB keeps the estimate.
 
 What fails: admission follows the limiters' own ``on_store_error`` (a Redis
 outage answers from each process's share, degraded); a failure to settle or to
@@ -35,6 +37,7 @@ The package never imports httpx unless this module is imported.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import importlib
 import inspect
@@ -43,9 +46,10 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any, Final, TypeGuard
+from types import ModuleType
+from typing import Any, Final, TypeGuard, TypeVar
 
 try:
     import httpx
@@ -169,14 +173,23 @@ class Send:
 
 
 @dataclass(frozen=True)
-class Read:
-    """Read the response's body."""
+class Stream:
+    """Pass the response's body on as it comes, and once it has all come run the
+    flow ``settle`` gives for the response read (nothing for a body closed before
+    its end, or longer than 4 MiB)."""
 
+    request: httpx.Request
     response: httpx.Response
+    settle: Callable[[httpx.Response], Generator[Step, Any, None]]
 
 
-Step = Call | Sleep | Wait | Send | Read
+Step = Call | Sleep | Wait | Send | Stream
 Flow = Generator[Step, Any, httpx.Response]
+T = TypeVar("T")
+
+# The longest body whose usage is read (a chat completion's is far shorter): a
+# longer one keeps its estimate, and no more of it is kept.
+_MOST_KEPT: Final = 4 * 1024 * 1024
 
 
 class _Settings:
@@ -280,7 +293,7 @@ class _Settings:
             raise
         response: httpx.Response = yield Send(request)
         try:
-            yield from self._after(key, costs, taken, reservation, response)
+            yield from self._after(key, costs, taken, reservation, request, response)
         except Exception:
             logger.warning(
                 "a response of %s was returned, but settling or observing it failed",
@@ -326,29 +339,52 @@ class _Settings:
         costs: list[tuple[Any, int]],
         taken: list[int],
         reservation: Any,
+        request: httpx.Request,
         response: httpx.Response,
     ) -> Generator[Step, Any, None]:
-        """Settles the estimate to the response's usage, then observes its headers."""
+        """Observes the response's headers; then, once its body has all come (it
+        reaches the caller as it comes), settles the estimate to the usage it says."""
+        yield from self._observe(key, parse(response.headers))
         content_type = response.headers.get("content-type", "")
-        if self.usage is not None and response.is_success and "json" in content_type:
-            yield Read(response)
-            used = self.usage(response)
+        if self.usage is None or not response.is_success or "json" not in content_type:
+            return
+        usage = self.usage
+
+        def settle(read: httpx.Response) -> Generator[Step, Any, None]:
+            used = usage(read)
             if used is not None:
                 yield from self._settle(key, costs, taken, reservation, self._used(costs, used))
-        observations = parse(response.headers)
-        for seen in observations:
-            limiter = self.limiters.get(seen.resource)
-            if limiter is not None:
-                remaining, words = self._words(seen, limiter)
-                yield Call(limiter.observe, (key, remaining), words)
+
+        if response.is_stream_consumed:  # built from its body (a mock): read already
+            yield from settle(response)
+        else:
+            yield Stream(request, response, settle)
+
+    def _observe(self, key: str, observations: list[Observation]) -> Generator[Step, Any, None]:
+        """Applies a response's reports, the hold first, each on its own: one that
+        fails (a store error) is logged and loses only itself, so nothing is sent
+        before a hold ends whatever else the response said."""
+        reports: list[Call] = []
         holds = [seen.retry_after for seen in observations if seen.retry_after]
         if holds:
             # Every limiter holds the key (so nothing is granted before its end),
             # and so does the hold key (so nothing granted before waits less).
             hold = (("retry_after", max(holds)),)
             for limiter in self.limiters.values():
-                yield Call(limiter.observe, (key, limiter.capacity), hold)
-            yield Call(self.holder.observe, (_hold_key(key), self.holder.capacity), hold)
+                reports.append(Call(limiter.observe, (key, limiter.capacity), hold))
+            reports.append(Call(self.holder.observe, (_hold_key(key), self.holder.capacity), hold))
+        for seen in observations:
+            limiter = self.limiters.get(seen.resource)
+            if limiter is not None:
+                remaining, words = self._words(seen, limiter)
+                reports.append(Call(limiter.observe, (key, remaining), words))
+        for report in reports:
+            try:
+                yield report
+            except Exception:
+                logger.warning(
+                    "a report of the upstream for key %r was not applied", key, exc_info=True
+                )
 
     def _used(self, costs: list[tuple[Any, int]], used: Tokens) -> list[int]:
         tokens_in, tokens_out = used
@@ -407,13 +443,18 @@ class _Settings:
     def _words(self, seen: Observation, limiter: Any) -> tuple[int, tuple[tuple[str, Any], ...]]:
         """observe's remaining and words for one observation, keeping ``margin`` of the
         provider's limit unspent: a limit that much lower, and as much less remaining
-        (the limiter's capacity stands for a limit not said)."""
+        (the limiter's capacity stands for a limit not said). Its hold goes with it:
+        a hold's end makes a token, whatever remains (docs/design.md §4)."""
         capacity = limiter.capacity
         if seen.limit is not None and seen.limit < capacity:
             self._report(seen, capacity)
         limit = capacity if seen.limit is None else seen.limit
         kept = math.ceil(limit * self.margin)
-        words = (("limit", limit - kept), ("reset_after", seen.reset_after))
+        words = (
+            ("limit", limit - kept),
+            ("reset_after", seen.reset_after),
+            ("retry_after", seen.retry_after),
+        )
         return max(0, seen.remaining - kept), words
 
     def _report(self, seen: Observation, capacity: int) -> None:
@@ -433,15 +474,114 @@ class _Settings:
         )
 
 
-def _library_of(request: httpx.Request) -> Any:
-    """httpx or httpx2, whichever made the request: the default transport is its own."""
-    return importlib.import_module(type(request).__module__.partition(".")[0])
-
-
 def _hold_key(key: str) -> str:
     """The key a 429's hold is kept under, beside ``key``'s buckets (a digest, so it
     fits in any key's length)."""
     return "\x00hold:" + hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
+
+
+# -- a body passed on as it comes, settled once it has all come ----------------------
+
+
+class _Body:
+    """What a response's body has brought so far (up to 4 MiB), and the
+    response read from it once it has all come."""
+
+    def __init__(self, step: Stream) -> None:
+        self.step = step
+        self.chunks: list[bytes] | None = []
+        self.size = 0
+
+    def keep(self, chunk: bytes) -> None:
+        if self.chunks is None:
+            return
+        self.size += len(chunk)
+        if self.size > _MOST_KEPT:
+            self.chunks = None  # too long to read its usage: none of it is kept
+        else:
+            self.chunks.append(chunk)
+
+    def read(self) -> httpx.Response | None:
+        """The response as read (its raw body decoded as its headers say), once;
+        ``None`` when the body was too long to keep."""
+        chunks, self.chunks = self.chunks, None
+        if chunks is None:
+            return None
+        response = self.step.response
+        return type(response)(
+            response.status_code,
+            headers=response.headers,
+            content=b"".join(chunks),
+            request=self.step.request,
+        )
+
+    def failed(self) -> None:
+        logger.warning(
+            "a response of %s was returned, but settling it failed",
+            self.step.request.url.host,
+            exc_info=True,
+        )
+
+
+class _SettlingStream:
+    """A sync body passed on as it comes; at its end, ``settle`` runs with the
+    response read. Closed before its end, it settles nothing (the estimate stays)."""
+
+    def __init__(self, body: _Body, settle: Callable[[httpx.Response], None]) -> None:
+        self._body = body
+        self._stream: Any = body.step.response.stream
+        self._settle = settle
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._stream:
+            self._body.keep(chunk)
+            yield chunk
+        read = self._body.read()
+        if read is not None:
+            try:
+                self._settle(read)
+            except Exception:
+                self._body.failed()
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class _AsyncSettlingStream:
+    """:class:`_SettlingStream` for an asyncio body."""
+
+    def __init__(self, body: _Body, settle: Callable[[httpx.Response], Awaitable[None]]) -> None:
+        self._body = body
+        self._stream: Any = body.step.response.stream
+        self._settle = settle
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            self._body.keep(chunk)
+            yield chunk
+        read = self._body.read()
+        if read is not None:
+            try:
+                await self._settle(read)
+            except Exception:
+                self._body.failed()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+@functools.cache
+def _stream_class(library: ModuleType, asynchronous: bool) -> type[Any]:
+    """The settling stream for ``library``'s responses: httpx and httpx2 each read
+    only a stream of their own base class."""
+    if asynchronous:
+        return type("AsyncSettlingStream", (_AsyncSettlingStream, library.AsyncByteStream), {})
+    return type("SettlingStream", (_SettlingStream, library.SyncByteStream), {})
+
+
+def _library(thing: object) -> ModuleType:
+    """httpx or httpx2, whichever made ``thing`` (a request, a response)."""
+    return importlib.import_module(type(thing).__module__.partition(".")[0])
 
 
 # -- the two transports: each carries out the procedure's steps, and only that ------
@@ -464,9 +604,9 @@ class RateLimitTransport(httpx.BaseTransport):
       :func:`default_key`: host and a digest of the API key).
     - ``estimate``: a function of the request returning its (input, output) tokens,
       or ``None`` for none (default :func:`estimate_tokens`).
-    - ``usage``: a function of a successful JSON response returning the (input,
-      output) tokens it used, which settle the estimate, or ``None`` to keep every
-      estimate (default :func:`read_usage`).
+    - ``usage``: a function of a successful JSON response, once its body has all
+      come, returning the (input, output) tokens it used, which settle the
+      estimate, or ``None`` to keep every estimate (default :func:`read_usage`).
     - ``margin``: the fraction of each provider limit left unspent, for other
       consumers and requests in flight (default 0.05).
     - ``clock``: what the transport sleeps on while it waits its turn: give the
@@ -504,15 +644,17 @@ class RateLimitTransport(httpx.BaseTransport):
         )
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        flow = self._settings.flow(request)
+        return self._run(self._settings.flow(request))
+
+    def _run(self, flow: Generator[Step, Any, T]) -> T:
         answer: Any = None
         error: BaseException | None = None
         while True:
             try:
                 step = flow.send(answer) if error is None else flow.throw(error)
             except StopIteration as done:
-                response: httpx.Response = done.value
-                return response
+                result: T = done.value
+                return result
             answer, error = None, None
             try:
                 answer = self._carry_out(step)
@@ -529,9 +671,12 @@ class RateLimitTransport(httpx.BaseTransport):
             return step.reservation.wait()
         if isinstance(step, Send):
             if self._transport is None:
-                self._transport = _library_of(step.request).HTTPTransport()
+                self._transport = _library(step.request).HTTPTransport()
             return self._transport.handle_request(step.request)
-        return step.response.read()
+        settle = step.settle
+        stream = _stream_class(_library(step.response), False)
+        step.response.stream = stream(_Body(step), lambda read: self._run(settle(read)))
+        return None
 
     def close(self) -> None:
         if self._transport is not None:
@@ -577,15 +722,17 @@ class AsyncRateLimitTransport(httpx.AsyncBaseTransport):
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        flow = self._settings.flow(request)
+        return await self._run(self._settings.flow(request))
+
+    async def _run(self, flow: Generator[Step, Any, T]) -> T:
         answer: Any = None
         error: BaseException | None = None
         while True:
             try:
                 step = flow.send(answer) if error is None else flow.throw(error)
             except StopIteration as done:
-                response: httpx.Response = done.value
-                return response
+                result: T = done.value
+                return result
             answer, error = None, None
             try:
                 answer = await self._carry_out(step)
@@ -604,9 +751,12 @@ class AsyncRateLimitTransport(httpx.AsyncBaseTransport):
             return await waiting()
         if isinstance(step, Send):
             if self._transport is None:
-                self._transport = _library_of(step.request).AsyncHTTPTransport()
+                self._transport = _library(step.request).AsyncHTTPTransport()
             return await self._transport.handle_async_request(step.request)
-        return await step.response.aread()
+        settle = step.settle
+        stream = _stream_class(_library(step.response), True)
+        step.response.stream = stream(_Body(step), lambda read: self._run(settle(read)))
+        return None
 
     async def aclose(self) -> None:
         if self._transport is not None:

@@ -24,10 +24,13 @@ per resource; each provider is a row of data (:data:`PROFILES`), not code:
 
 Times given as dates (Anthropic's resets, an HTTP-date ``Retry-After``) are read
 against the response's ``Date`` field when it has one (the server's clock, so a
-skewed local clock does not matter), else against ``time.time()``. A value that is
-not what its field should hold (negative, without units, garbage) is ignored, with
-one log line on the ``bucketlimit`` logger (a WARNING the first time a field is
-bad, DEBUG after): never an exception, so a quirky header cannot fail a request.
+skewed local clock does not matter), else against ``time.time()``. A count above
+2**64 - 1 (more than any limiter holds) is read as 2**64 - 1, what every ``observe``
+takes. A value that is not what its field should hold (negative, without units,
+garbage, a duration of more than 64 characters) is ignored, with one log line on the
+``bucketlimit`` logger (a WARNING the first time a field is bad, DEBUG after, the
+value shortened): never an exception, so a quirky header cannot fail a request, and
+no value costs more than a pass over it.
 """
 
 from __future__ import annotations
@@ -90,19 +93,29 @@ class Profile:
 
 # -- values ----------------------------------------------------------------------
 
-_DURATION: Final = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s|us|µs|μs|ns)")
+_PART = r"(\d+(?:\.\d+)?)(h|ms|m|s|us|µs|μs|ns)"
+_DURATION: Final = re.compile(f"(?:{_PART})+")
+_PARTS: Final = re.compile(_PART)
 # Go's units; µ is written as the micro sign or as the Greek mu.
 _UNITS: Final = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
 _UNITS.update({"μs": 1e-6, "ns": 1e-9})
+# The longest duration read, in characters (Go's longest is 24:
+# 2562047h47m16.854775807s): a longer value is refused unread, so a hostile one
+# costs no more than a short one. The pattern is linear besides: fullmatch tries one
+# start, and a number's digits can only end at a unit.
+_LONGEST_DURATION: Final = 64
 
 
 def duration(text: str, now: float = 0.0) -> float:
     """A Go duration as OpenAI writes resets: ``6m0s``, ``1s``, ``12ms``,
-    ``1m30.5s``, ``2h0m0s`` (every number with its unit). ``ValueError`` otherwise."""
+    ``1m30.5s``, ``2h0m0s`` (every number with its unit; at most 64 characters).
+    ``ValueError`` otherwise."""
     text = text.strip()
-    if not text or _DURATION.sub("", text):
+    if len(text) > _LONGEST_DURATION:
+        raise ValueError(f"not a duration: {len(text)} characters, more than {_LONGEST_DURATION}")
+    if not _DURATION.fullmatch(text):
         raise ValueError(f"not a duration with units: {text!r}")
-    return sum(float(number) * _UNITS[unit] for number, unit in _DURATION.findall(text))
+    return sum(float(number) * _UNITS[unit] for number, unit in _PARTS.findall(text))
 
 
 def rfc3339(text: str, now: float) -> float:
@@ -115,11 +128,18 @@ def rfc3339(text: str, now: float) -> float:
     return max(0.0, moment.timestamp() - now)
 
 
+# The largest count an observation carries, 2**64 - 1: the most a limiter's observe
+# takes, and more than any bucket holds, so a larger count says no more.
+_MOST: Final = 2**64 - 1
+
+
 def _count(text: str) -> int:
     text = text.strip()
     if not text.isdigit() or not text.isascii():
         raise ValueError(f"not a count (a whole number >= 0): {text!r}")
-    return int(text)
+    digits = text.lstrip("0")
+    # Over 20 digits is over _MOST: not converted (int() of a long text is slow).
+    return _MOST if len(digits) > 20 else min(int(digits or "0"), _MOST)
 
 
 def _http_date(text: str) -> float:
@@ -148,7 +168,13 @@ _REPORTED: set[str] = set()
 def _ignore(name: str, value: str, why: object) -> None:
     level = logging.DEBUG if name in _REPORTED else logging.WARNING
     _REPORTED.add(name)
-    logger.log(level, "ignoring the %s header %r: %s", name, value, why)
+    logger.log(level, "ignoring the %s header %s: %s", name, _clip(repr(value)), _clip(str(why)))
+
+
+def _clip(text: str, most: int = 200) -> str:
+    """At most ``most`` characters of ``text``, then its length: a hostile header of
+    a megabyte is not copied into a log line whole."""
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 
 # -- parse ----------------------------------------------------------------------

@@ -87,6 +87,22 @@ def test_a_hold_lets_nothing_pass_before_it_ends(manual_clock: ManualClock) -> N
     assert rpm.acquire("org", timeout=0)
 
 
+def test_a_holds_end_makes_a_token_whatever_else_the_report_says(
+    manual_clock: ManualClock,
+) -> None:
+    # 100 an hour: a token every 36 s. A 429 saying "nothing left, full in an hour,
+    # retry after 1 s": the token comes at the hold's end, not 36 s on.
+    rph = TokenBucketLimiter(100, 100, per=3600, clock=manual_clock)
+    held = rph.observe("org", 0, limit=100, reset_after=3600, retry_after=1)
+    assert held.retry_after == 1.0, "the hold delayed the key beyond its end"
+    manual_clock.advance(1 - 1e-6)
+    assert not rph.allow("org")
+    manual_clock.advance(1e-6)
+    assert rph.allow("org")
+    # One token, then the bucket's own pace.
+    assert rph.peek("org").retry_after == 36.0
+
+
 def test_a_waiting_reservation_gets_its_tokens_back_after_a_report(
     manual_clock: ManualClock,
 ) -> None:

@@ -128,6 +128,16 @@ def test_a_report_with_the_stores_clock_bounds_the_shared_bucket(
     assert not one.reserve("org", max_wait=2.5)
 
 
+def test_a_holds_end_makes_a_token_in_the_store_too(redis_client: redis.Redis) -> None:
+    clock = ManualClock(1_000)
+    rph = RedisTokenBucketLimiter(redis_client, 100, 100, clock, per=3600, prefix="hold-end:")
+    held = rph.observe("org", 0, limit=100, reset_after=3600, retry_after=1)
+    assert held.retry_after == 1.0, "the hold delayed the key beyond its end"
+    clock.advance(1)
+    assert rph.allow("org")
+    assert rph.peek("org").retry_after == 36.0  # then the bucket's own pace
+
+
 def test_bad_input_is_refused_before_anything_is_sent(redis_client: redis.Redis) -> None:
     limiter = RedisTokenBucketLimiter(redis_client, 100, 10, prefix="bad:")
     with pytest.raises(ValueError, match="remaining must be an int from 0"):

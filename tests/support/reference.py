@@ -324,11 +324,17 @@ class ReferenceLimiter:
         ``None``: not said; ``"never"``: an infinite wait. Written from the rule: the
         bucket holds at most what remains; it holds min(capacity, limit) no sooner
         than an upstream refilling steadily from what remains to its limit over
-        ``reset_after``; during a hold it holds less than a token. Any of these
-        below the debt bound is the debt bound; at rate 0 only what remains counts."""
+        ``reset_after``; a hold settles it alone: less than a token until its end,
+        one token at it. Any of these below the debt bound is the debt bound; at
+        rate 0 only what remains counts."""
         said = self.capacity if limit is None else limit
         left = min(remaining, said)
         bounds: list[int] = [min(left, self.capacity) * self.unit]
+        if self.p > 0 and retry_after is not None:
+            if retry_after == "never":
+                return self.floor
+            assert isinstance(retry_after, int)
+            return max(self.unit - self.p * retry_after, self.floor)
         if self.p > 0:
             level = min(self.capacity, said)
             if reset_after is not None and left < level:
@@ -338,11 +344,6 @@ class ReferenceLimiter:
                     assert isinstance(reset_after, int)
                     when = Fraction((level - left) * reset_after, said - left)
                     bounds.append(level * self.unit - self.p * math.ceil(when))
-            if retry_after == "never":
-                bounds.append(self.floor)
-            elif retry_after is not None:
-                assert isinstance(retry_after, int)
-                bounds.append(self.unit - self.p * retry_after)
         return max(min(bounds), self.floor)
 
     def observe(self, key: str, cap: int, at: int, now: int) -> Answer:

@@ -221,8 +221,62 @@ def test_bad_values_are_ignored_with_a_log_line(
     assert [r for r in caplog.records if r.name == "bucketlimit" and "ignoring" in r.getMessage()]
 
 
+# Every field parse reads but one: test_a_bad_field_warns_once_then_quietly needs a
+# field bad in no other test (a field warns once per process).
+WARNED_ONCE = "anthropic-ratelimit-output-tokens-remaining"
+EVERY_FIELD = [
+    name
+    for profile in upstream.PROFILES
+    for resource in profile.resources
+    for field in ("limit", "remaining", "reset")
+    if (name := profile.pattern.format(resource=resource, field=field)) != WARNED_ONCE
+] + ["retry-after", "retry-after-ms", "date", "ratelimit", "ratelimit-policy"]
+MOST = 2**64 - 1
+OPENAI = ("requests", "tokens")  # the first observations: OpenAI's fields
+
+
+# A hang guard only: a reset of 16 KB of digits took seconds, a megabyte would not
+# end; one pass over a megabyte takes milliseconds.
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("value", "kept"),
+    [
+        ("1" * 2**20, [Observation(r, MOST, limit=MOST) for r in OPENAI]),
+        ("1h" * 2**19 + "x", []),
+        (" " * 2**20 + "1", [Observation(r, 1, limit=1, retry_after=0.001) for r in OPENAI]),
+    ],
+    ids=["digits", "units", "spaces"],
+)
+def test_a_megabyte_in_every_field_is_read_in_one_pass_and_logged_short(
+    value: str, kept: list[Observation], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG, logger="bucketlimit"):
+        found = parse(dict.fromkeys(EVERY_FIELD, value))
+    assert found[:2] == kept
+    lines = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert lines, "no field was refused: the values tested nothing"
+    assert max(map(len, lines)) < 1_000, "a refused value is copied into its log line whole"
+
+
+@pytest.mark.timeout(10)  # a hang guard, as above
+def test_a_duration_longer_than_any_go_writes_is_refused_unread() -> None:
+    headers = {"x-ratelimit-remaining-tokens": "5", "x-ratelimit-reset-tokens": "1" * 2**20}
+    assert parse(headers) == [Observation("tokens", 5)]
+    assert upstream.duration("2562047h47m16.854775807s") == pytest.approx(2**63 / 1e9)
+    for text in ("1" * 65, "1" * 2**20, "1s" * 2**19):
+        with pytest.raises(ValueError, match=f"{len(text)} characters, more than 64"):
+            upstream.duration(text)
+
+
+def test_a_count_beyond_what_any_limiter_holds_is_read_as_the_most_it_takes() -> None:
+    headers = {"x-ratelimit-remaining-tokens": "9" * 25, "x-ratelimit-limit-tokens": "0" * 30 + "7"}
+    assert parse(headers) == [Observation("tokens", MOST, limit=7)]
+    assert parse({"x-ratelimit-remaining-tokens": str(MOST + 1)})[0].remaining == MOST
+    assert parse({"x-ratelimit-remaining-tokens": str(MOST)})[0].remaining == MOST
+
+
 def test_a_bad_field_warns_once_then_quietly(caplog: pytest.LogCaptureFixture) -> None:
-    name = "anthropic-ratelimit-output-tokens-remaining"  # bad in no other test
+    name = WARNED_ONCE  # bad in no other test
     with caplog.at_level(logging.DEBUG, logger="bucketlimit"):
         for _ in range(3):
             parse({name: "nan"})

@@ -119,6 +119,31 @@ def test_a_429_holds_every_request_until_its_retry_after(clock: ManualClock) -> 
     assert second == pytest.approx(102.5 + tpm.peek(KEY).reset_after - 60, abs=0.01) or second < 105
 
 
+def test_a_429s_hold_is_kept_whatever_count_the_response_carries(clock: ManualClock) -> None:
+    provider, client, _rpm, _tpm = setup(clock)
+    # A count of 25 digits, more than any limiter holds, beside the Retry-After.
+    provider.status = 429
+    provider.headers = {"retry-after": "2", "x-ratelimit-remaining-tokens": "9" * 25}
+    assert client.post(URL, json=CHAT).status_code == 429
+    provider.status, provider.headers = 200, {}
+    client.post(URL, json=CHAT)
+    first, second = provider.arrivals
+    assert second - first >= 2, "a request was sent before the 429's Retry-After ended"
+
+
+def test_a_bare_retry_after_delays_by_the_hold_and_no_more(clock: ManualClock) -> None:
+    provider = Provider(clock)
+    rph = TokenBucketLimiter(100, 100, per=3600, clock=clock)  # a token every 36 s
+    transport = RateLimitTransport(httpx.MockTransport(provider), requests=rph, clock=clock)
+    client = httpx.Client(transport=transport)
+    provider.status, provider.headers = 429, {"retry-after": "1"}
+    assert client.post(URL, json=CHAT).status_code == 429
+    provider.status, provider.headers = 200, {}
+    client.post(URL, json=CHAT)
+    first, second = provider.arrivals
+    assert second - first == 1.0, "the next request did not go at the hold's end"
+
+
 class HoldingClock(ManualClock):
     """A ManualClock whose first sleep runs ``during_sleep`` first: another worker's
     429, seen while this one waits its turn."""

@@ -1,4 +1,4 @@
-"""The processes of tests/upstream/test_mock_provider.py: each runs threads sending
+"""The worker processes of tests/upstream/scenario.py: each runs threads sending
 chat-completion-shaped requests through bucketlimit's transport, sharing one Redis
 budget with every other process. A module of its own: spawned processes import it."""
 

@@ -53,6 +53,22 @@ def test_a_bad_string_is_a_value_error_naming_it(bad: str) -> None:
         parse_limit(bad)
 
 
+# A hang guard only: a refusal that backtracks over every way to split a run of
+# spaces between the pattern's parts does not end on a megabyte (800 spaces took
+# seconds); one pass over it takes milliseconds.
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "bad",
+    ["1 per" + " " * 2**20 + "!", "1" + " " * 2**20 + "/ 5" + " " * 2**20],
+    ids=["after per", "around the multiple"],
+)
+def test_a_megabyte_of_spaces_is_refused_in_one_pass(bad: str) -> None:
+    with pytest.raises(ValueError, match="not a limit"):
+        parse_limit(bad)
+    with pytest.raises(ValueError, match="not a limit"):
+        parse_limits([bad, "1/second"])
+
+
 def test_several_limits_are_for_parse_limits() -> None:
     assert parse_limits("10/second;1000/day") == [(10, 10, 1), (1000, 1000, 86400)]
     assert parse_limits("10/second, 1000/day | 5 per minute") == [

@@ -20,6 +20,8 @@ from types import ModuleType
 from typing import Any, Final, NamedTuple
 from urllib.parse import unquote, urlsplit
 
+from bucketlimit._errors import without_password
+
 
 class Kind(NamedTuple):
     """One library's clients of one kind (blocking, or asyncio)."""
@@ -150,7 +152,7 @@ def for_url(url: str) -> Library:
     known = ", ".join(f"{s}://" for s in REDIS_SCHEMES + VALKEY_SCHEMES)
     raise ValueError(
         f"url must start with one of {known} (or redis+cluster://, redis+sentinel://, "
-        f"valkey+cluster://, valkey+sentinel://), got {url!r}"
+        f"valkey+cluster://, valkey+sentinel://), got {without_password(url)!r}"
     )
 
 
@@ -219,7 +221,8 @@ class LazyClient:
 
     def __repr__(self) -> str:
         kind = "asyncio " if self.asyncio else ""
-        return f"LazyClient({kind}{'cluster ' if self.cluster else ''}{self.url!r})"
+        url = without_password(self.url)
+        return f"LazyClient({kind}{'cluster ' if self.cluster else ''}{url!r})"
 
 
 def _sentinels(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
@@ -235,19 +238,20 @@ def _sentinels(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
             settings["username"] = unquote(user)
         if password:
             settings["password"] = unquote(password)
+    shown = without_password(url)
     hosts = []
     for hostport in netloc.split(","):
         host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", "26379")
         if not host:
-            raise ValueError(f"a sentinel URL names host:port pairs, got {url!r}")
+            raise ValueError(f"a sentinel URL names host:port pairs, got {shown!r}")
         try:
             hosts.append((host.strip("[]"), int(port)))
         except ValueError:
-            raise ValueError(f"a sentinel URL names host:port pairs, got {url!r}") from None
+            raise ValueError(f"a sentinel URL names host:port pairs, got {shown!r}") from None
     path = [segment for segment in parts.path.split("/") if segment]
     if not path:
         raise ValueError(
-            f"a sentinel URL names the service after the hosts (/mymaster), got {url!r}"
+            f"a sentinel URL names the service after the hosts (/mymaster), got {shown!r}"
         )
     if len(path) > 1:
         settings["db"] = int(path[1])
