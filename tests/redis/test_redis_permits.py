@@ -98,7 +98,7 @@ def test_at_most_limit_per_key_as_in_process(redis_client: redis.Redis) -> None:
     assert decisions[2] == Decision(False, 10.0, 0, 10.0, 2)
     # The first token of a key on a clock at 0: the server's time, where a counter
     # the store lost starts again, so that no token is ever granted twice.
-    seconds, micros = pair.redis.client.time()
+    seconds, micros = redis_client.time()
     assert pair.redis.try_acquire("fresh").token >= seconds * 1_000_000 + micros
 
 
