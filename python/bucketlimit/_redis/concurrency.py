@@ -18,7 +18,17 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, SupportsIndex, TypedDict, TypeVar, cast
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Final,
+    Generic,
+    SupportsIndex,
+    TypedDict,
+    TypeVar,
+    cast,
+)
 
 from bucketlimit import _core
 from bucketlimit._redis import permits
@@ -58,6 +68,19 @@ logger = logging.getLogger("bucketlimit")
 
 C = TypeVar("C")
 T = TypeVar("T")
+
+#: What ``stats()`` reports of the limiter's counters (``allowed`` as ``granted``).
+COUNTED: Final = (
+    "allowed",
+    "refused",
+    "released",
+    "abandoned",
+    "store_calls",
+    "script_loads",
+    "store_errors",
+    "fallback_decisions",
+    "lost_releases",
+)
 
 
 # -- the drivers of a waiting flow ---------------------------------------------------
@@ -474,7 +497,8 @@ class RedisConcurrency(Generic[C]):
         ``breaker_open`` (breakers open now), ``waiting`` (this object's waiters now)
         and ``wakeups`` (grants told to its waiters by a message)."""
         state = self._state
-        stats: dict[str, int] = state.counters.snapshot()
+        stats = state.counters.snapshot(COUNTED)
+        stats["granted"] = stats.pop("allowed")
         breakers = state.breakers.all()
         stats["breaker_openings"] = sum(breaker.openings for breaker in breakers)
         stats["breaker_open"] = sum(breaker.open for breaker in breakers)

@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import math
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from bucketlimit._redis import flows
 from bucketlimit._redis.flows import Corrupt, Flow, ScriptCommand, Unanswered
 from bucketlimit._redis.resilience import SKIP, fork_safe
 from bucketlimit._redis.script import LEASE
-from bucketlimit._redis.state import LimiterState
+from bucketlimit._redis.state import Counters, LimiterState
 
 logger = logging.getLogger("bucketlimit")
 
@@ -130,27 +129,6 @@ def check_lease(lease: object) -> LeasePolicy | None:
     raise TypeError(f"lease must be a bool or a LeasePolicy, got {type(lease).__name__}")
 
 
-class Counters:
-    """The lease counters ``stats()`` reports (tokens; ``hits`` live in the ledger)."""
-
-    __slots__ = ("__weakref__", "_lock", "returned", "round_trips", "tokens", "unused")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.round_trips = self.tokens = self.returned = self.unused = 0
-        fork_safe(self)
-
-    def _after_fork(self) -> None:
-        self._lock = threading.Lock()
-
-    def add(self, round_trips: int, tokens: int = 0, returned: int = 0, unused: int = 0) -> None:
-        with self._lock:
-            self.round_trips += round_trips
-            self.tokens += tokens
-            self.returned += returned
-            self.unused += unused
-
-
 class LeaseState:
     """One limiter's leases in this process (see the module docstring).
 
@@ -165,7 +143,6 @@ class LeaseState:
         self.ledger = _core.Leases(state.capacity, state.clock)
         self.period = round(policy.period * 1_000_000)
         self.max_wait = round(policy.max_wait * 1_000_000)
-        self.counters = Counters()
         self._suffix = os.urandom(4).hex()
         self._exit: weakref.WeakMethod[Callable[[], None]] | None = None
         _HOLDERS.add(self)
@@ -189,18 +166,20 @@ class LeaseState:
         if give_back is not None:
             give_back()
 
-    def stats(self) -> dict[str, int]:
-        """The ``lease_*`` counters of ``stats()``."""
-        counters = self.counters
-        with counters._lock:
-            return {
-                "lease_hits": self.ledger.hits,
-                "lease_round_trips": counters.round_trips,
-                "lease_tokens": counters.tokens,
-                "lease_tokens_returned": counters.returned,
-                "lease_tokens_expired": counters.unused,
-            }
+    def stats(self, counters: Counters) -> dict[str, int]:
+        """The ``lease_*`` counters of ``stats()``: the limiter's ``counters``, and
+        the hits its ledger counts."""
+        return {"lease_hits": self.ledger.hits, **counters.snapshot(LEASE_COUNTERS)}
 
+
+#: What the limiter's counters hold of its leases (tokens leased, given back,
+#: expired unused; round trips).
+LEASE_COUNTERS: Final = (
+    "lease_round_trips",
+    "lease_tokens",
+    "lease_tokens_returned",
+    "lease_tokens_expired",
+)
 
 #: The keys of ``stats()`` a limiter without leases reports as 0.
 NO_LEASE_STATS: Final = {
@@ -294,18 +273,18 @@ def renew(
         reply, sent = yield from flows.ask(state, breaker, gate, command)
         renewed = True
     except Unanswered as failure:
-        leases.counters.add(failure.sent, unused=unused)
+        state.counters.leased(failure.sent, expired=unused)
         flows.unanswered(state, failure, breaker)  # raises under "raise"
         decision = state.fallback.decide(key, cost, peek=False)
         state.counters.add(failure.sent, decision.allowed)
         return decision
     except Corrupt as failure:
-        leases.counters.add(failure.sent, unused=unused)
+        state.counters.leased(failure.sent, expired=unused)
         decision = flows.corrupt(state, failure, breaker)
         state.counters.add(failure.sent, False)
         return decision
     except BaseException:  # a configuration error, an interruption: lost with the reply
-        leases.counters.add(1, unused=unused)
+        state.counters.leased(1, expired=unused)
         raise
     finally:
         if not renewed:
@@ -317,7 +296,7 @@ def renew(
         ledger.end(key)
         raise
     state.counters.add(sent, decision.allowed)
-    leases.counters.add(sent)
+    state.counters.leased(sent)
     return decision
 
 
@@ -337,7 +316,7 @@ def renewed_lease(
     ledger = leases.ledger
     received = ledger.now()
     retry, remaining, reset_after, granted, delay, returned, holders = reply
-    leases.counters.add(0, granted, returned, unused - returned)
+    state.counters.leased(0, granted, returned, unused - returned)
     reset_at = received + reset_after if reset_after >= 0 else NEVER
     seconds_to_full = reset_after / 1_000_000 if reset_after >= 0 else math.inf
     refusals = state.refusals
@@ -382,7 +361,7 @@ def give_back(state: LimiterState, leases: LeaseState, key: str, unused: int) ->
         command = ScriptCommand(state.own, [bucket], args)
         reply, sent = yield from flows.ask(state, breaker, gate, command)
     except (Unanswered, Corrupt) as failure:
-        leases.counters.add(failure.sent, unused=unused)
+        state.counters.leased(failure.sent, expired=unused)
         flows.lost(state, [(key, unused)], failure.error)
         state.counters.add(failure.sent)
         return
@@ -390,7 +369,7 @@ def give_back(state: LimiterState, leases: LeaseState, key: str, unused: int) ->
         leases.ledger.end(key)
     flows.answered(breaker, gate, wrote=True)
     returned = reply[5]
-    leases.counters.add(sent, returned=returned, unused=unused - returned)
+    state.counters.leased(sent, returned=returned, expired=unused - returned)
     state.counters.add(sent)
 
 
@@ -411,5 +390,5 @@ def give_back_all(state: LimiterState, leases: LeaseState) -> Flow[None]:
             yield from give_back(state, leases, key, unused)
     finally:
         for key, unused in held:  # interrupted: what was not sent stays spent
-            leases.counters.add(0, unused=unused)
+            state.counters.leased(0, expired=unused)
             leases.ledger.end(key)

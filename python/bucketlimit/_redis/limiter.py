@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, SupportsIndex, TypedDict, TypeVar, cast
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Final,
+    Generic,
+    SupportsIndex,
+    TypedDict,
+    TypeVar,
+    cast,
+)
 
 from bucketlimit import _core
 from bucketlimit._redis import clients, leases
@@ -31,6 +41,18 @@ from bucketlimit._stats import RedisLimiterStats
 
 if TYPE_CHECKING:
     from typing import Self, Unpack
+
+#: What ``stats()`` reports of the limiter's counters (then its leases' and breakers').
+COUNTED: Final = (
+    "allowed",
+    "refused",
+    "store_calls",
+    "script_loads",
+    "store_errors",
+    "fallback_decisions",
+    "refusal_cache_hits",
+    "lost_refunds",
+)
 
 #: The client type of a limiter class (redis-py's sync or asyncio clients).
 C = TypeVar("C")
@@ -276,11 +298,11 @@ class RedisLimiter(Generic[C]):
         ``lease_tokens_returned`` (given back) and ``lease_tokens_expired``
         (leased, neither used nor given back); 0 without."""
         state = self._state
-        stats: dict[str, int] = state.counters.snapshot()
+        stats = state.counters.snapshot(COUNTED)
         if self._leases is None:
             stats.update(NO_LEASE_STATS)
         else:
-            stats.update(self._leases.stats())
+            stats.update(self._leases.stats(state.counters))
             stats["allowed"] += stats["lease_hits"]
             stats["refused"] += self._leases.ledger.waits
         breakers = state.breakers.all()

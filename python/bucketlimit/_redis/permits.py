@@ -88,7 +88,7 @@ from bucketlimit._redis.script import (
     Mode,
     Script,
 )
-from bucketlimit._redis.state import Breakers, StoreState
+from bucketlimit._redis.state import Breakers, Counters, StoreState
 from bucketlimit._redis.wakeups import POLL_WITHOUT_WAKEUPS, Wakeups
 
 logger = logging.getLogger("bucketlimit")
@@ -138,54 +138,6 @@ def default_prefix(limit: int, ttl_micros: int) -> str:
     hands on lives by the releaser's ttl: docs/redis.md, "Concurrency permits
     across processes")."""
     return f"bucketlimit:permits:{limit}:{ttl_micros}us:"
-
-
-class PermitCounters:
-    """The numbers a concurrency limiter's ``stats()`` reports (with a lock: many
-    threads may share a limiter); the shape the flows' shared steps count with."""
-
-    __slots__ = (
-        "__weakref__",
-        "_lock",
-        "abandoned",
-        "fallback_decisions",
-        "granted",
-        "lost_releases",
-        "refused",
-        "released",
-        "script_loads",
-        "store_calls",
-        "store_errors",
-    )
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.granted = self.refused = self.released = self.abandoned = 0
-        self.store_calls = self.script_loads = self.store_errors = 0
-        self.fallback_decisions = self.lost_releases = 0
-        fork_safe(self)
-
-    def _after_fork(self) -> None:
-        self._lock = threading.Lock()
-
-    def add(self, sent: int, allowed: bool | None = None) -> None:
-        """A call that ended: the commands it sent and, for a decision, whether it
-        granted a permit."""
-        with self._lock:
-            self.store_calls += sent
-            if allowed is not None:
-                if allowed:
-                    self.granted += 1
-                else:
-                    self.refused += 1
-
-    def event(self, name: str) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + 1)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {name: getattr(self, name) for name in self.__slots__ if name[0] != "_"}
 
 
 class Held:
@@ -370,7 +322,7 @@ class PermitState(StoreState):
         self.keys = keys
         self.script: Script = BUCKET_SCRIPT
         self.name = name
-        self.counters = PermitCounters()
+        self.counters = Counters()
         self.policy: Policy = policy
         self.retry_interval = retry_interval
         self.processes = Processes(processes)

@@ -42,34 +42,62 @@ logger = logging.getLogger("bucketlimit")
 
 
 class Counters:
-    """The numbers ``stats()`` reports; a lock, since many threads may share a limiter."""
+    """The numbers ``stats()`` reports, for every kind of limiter: one lock, since
+    many threads may share a limiter. A limiter reports the ones it counts
+    (:meth:`snapshot` with its names): a token bucket ``allowed`` and ``refused``, a
+    concurrency limiter the same two as ``granted`` and ``refused``, and each the
+    events of its own (a permit's ``released``, a lease's tokens, ...)."""
 
     __slots__ = (
         "__weakref__",
         "_lock",
+        "abandoned",
         "allowed",
         "fallback_decisions",
+        "lease_round_trips",
+        "lease_tokens",
+        "lease_tokens_expired",
+        "lease_tokens_returned",
         "lost_refunds",
+        "lost_releases",
         "refusal_cache_hits",
         "refused",
+        "released",
         "script_loads",
         "store_calls",
         "store_errors",
     )
 
+    abandoned: int
+    allowed: int
+    fallback_decisions: int
+    lease_round_trips: int
+    lease_tokens: int
+    lease_tokens_expired: int
+    lease_tokens_returned: int
+    lost_refunds: int
+    lost_releases: int
+    refusal_cache_hits: int
+    refused: int
+    released: int
+    script_loads: int
+    store_calls: int
+    store_errors: int
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.allowed = self.refused = self.store_calls = self.script_loads = 0
-        self.store_errors = self.fallback_decisions = self.refusal_cache_hits = 0
-        self.lost_refunds = 0
+        for name in self.__slots__:
+            if name[0] != "_":
+                setattr(self, name, 0)
         fork_safe(self)
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
 
     def add(self, sent: int, allowed: bool | None = None) -> None:
-        """A call that ended: the commands it sent and, for a decision, whether it
-        allowed. One lock per call: the flows call this once, at their end."""
+        """A call that ended: the commands it sent and, for a decision (a permit
+        granted or refused), whether it allowed. One lock per call: the flows call
+        this once, at their end."""
         lock = self._lock
         lock.acquire()  # cheaper than `with` on every call, and nothing here raises
         self.store_calls += sent
@@ -80,15 +108,26 @@ class Counters:
                 self.refused += 1
         lock.release()
 
-    def event(self, name: str) -> None:
-        """One of the rarer things a call meets: ``script_loads``, ``store_errors``,
-        ``fallback_decisions``, ``refusal_cache_hits`` or ``lost_refunds``."""
+    def event(self, name: str, count: int = 1) -> None:
+        """``count`` of one of the rarer things a call meets (``script_loads``,
+        ``store_errors``, ``fallback_decisions``, ``lease_tokens``, ...)."""
         with self._lock:
-            setattr(self, name, getattr(self, name) + 1)
+            setattr(self, name, getattr(self, name) + count)
 
-    def snapshot(self) -> dict[str, int]:
+    def leased(
+        self, round_trips: int, tokens: int = 0, returned: int = 0, expired: int = 0
+    ) -> None:
+        """A lease's round trips and tokens: leased, given back, expired unused."""
         with self._lock:
-            return {name: getattr(self, name) for name in self.__slots__ if name[0] != "_"}
+            self.lease_round_trips += round_trips
+            self.lease_tokens += tokens
+            self.lease_tokens_returned += returned
+            self.lease_tokens_expired += expired
+
+    def snapshot(self, names: tuple[str, ...]) -> dict[str, int]:
+        """The counters ``names``, read at one moment."""
+        with self._lock:
+            return {name: getattr(self, name) for name in names}
 
 
 class Breakers:
@@ -129,15 +168,6 @@ class Breakers:
         return [self.shared, *list(self._nodes.values())]
 
 
-class Counting(Protocol):
-    """What the shared steps of the flows count with: :class:`Counters`, or a
-    concurrency limiter's (``bucketlimit._redis.permits.PermitCounters``)."""
-
-    def add(self, sent: int, allowed: bool | None = None) -> None: ...
-    def event(self, name: str) -> None: ...
-    def snapshot(self) -> dict[str, int]: ...
-
-
 class Answering(Protocol):
     """What a limiter's state says of its fallback (a token bucket's ``Fallback``, a
     concurrency limiter's ``PermitFallback``): the policy answering, in words."""
@@ -163,7 +193,7 @@ class Store(Protocol):
     @property
     def keys(self) -> Keys: ...
     @property
-    def counters(self) -> Counting: ...
+    def counters(self) -> Counters: ...
     @property
     def processes(self) -> Processes: ...
     @property
@@ -202,7 +232,7 @@ class StoreState:
     cluster: bool
     clock: Callable[[], float] | None
     breakers: Breakers
-    counters: Counting
+    counters: Counters
     name: str
     _warned: bool
     #: The commands on their way to the store now (each sent is its own token), and
