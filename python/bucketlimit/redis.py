@@ -415,24 +415,14 @@ def _flag(degraded: object) -> bool:
 async def _shielded(
     flow: flows.Flow[Reserved], checks: list[tuple[Any, str, int]], parts: list[Part]
 ) -> AsyncRedisReservation:
-    """An asyncio reservation's round trip, shielded from cancellation: a waiter
-    cancelled while its script may already have run lets the reply land and then
-    gives the tokens back (one refund), instead of losing them with the reply."""
+    """An asyncio reservation's round trip, cancel-safe: a waiter cancelled while its
+    script may already have run lets the reply land and then gives the tokens back
+    (one refund), instead of losing them with the reply."""
 
-    async def reserved() -> AsyncRedisReservation:
-        return AsyncRedisReservation(checks, parts, await run_async(flow, parts[0][0]))
+    async def undo(reserved: Reserved) -> None:
+        await AsyncRedisReservation(checks, parts, reserved).cancel()
 
-    task = asyncio.ensure_future(reserved())
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_give_back_when_done)
-        raise
-
-
-def _give_back_when_done(task: asyncio.Future[AsyncRedisReservation]) -> None:
-    if not task.cancelled() and task.exception() is None:
-        task.result()._give_back_later()  # nothing was reserved otherwise, or counted
+    return AsyncRedisReservation(checks, parts, await run_async(flow, parts[0][0], undo=undo))
 
 
 def _parts(

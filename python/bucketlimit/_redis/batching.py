@@ -405,7 +405,7 @@ class GroupCommit:
                 self._hand_over(node)
         if member.command is not None:  # split from its round trip: sent alone
             return answer(drive(member, state))  # type: ignore[no-any-return]
-        return answer(member.outcome)
+        return answer(member.outcome)  # type: ignore[no-any-return]
 
     def _hand_over(self, node: Breaker) -> None:
         """A round trip landed: the first waiter still there sends the next one (when
@@ -475,7 +475,7 @@ class Batcher:
         await waiter.wake  # cancelled before it is sent: the flight drops it
         if member.command is not None:  # split from its round trip: sent alone
             return answer(await drive_async(member, state))  # type: ignore[no-any-return]
-        return answer(member.outcome)
+        return answer(member.outcome)  # type: ignore[no-any-return]
 
     def _next(self, node: Breaker) -> None:
         waiters = self.flights.landed(node)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import (
     TYPE_CHECKING,
@@ -38,12 +38,12 @@ from bucketlimit._redis.clients import (
     client_from_url,
     closed_async,
 )
-from bucketlimit._redis.drivers import run, run_async, send, send_async
-from bucketlimit._redis.flows import Flow, Flowing, Part, check_wait
+from bucketlimit._redis.drivers import run, run_async
+from bucketlimit._redis.flows import Part, check_wait
 from bucketlimit._redis.keys import Keys
 from bucketlimit._redis.limiter import check_client
 from bucketlimit._redis.limiter import state_of as bucket_state_of
-from bucketlimit._redis.permits import Held, Local, PermitPart, PermitState, Sleep
+from bucketlimit._redis.permits import Held, PermitPart, PermitState
 from bucketlimit._redis.resilience import (
     LOCAL,
     Policy,
@@ -52,13 +52,6 @@ from bucketlimit._redis.resilience import (
     check_retry_interval,
 )
 from bucketlimit._redis.script import ALLOW, Mode
-from bucketlimit._redis.wakeups import (
-    POLL_WITHOUT_WAKEUPS,
-    Waiter,
-    Wakeups,
-    start_task,
-    start_thread,
-)
 from bucketlimit._stats import RedisConcurrencyStats
 
 if TYPE_CHECKING:
@@ -81,190 +74,6 @@ COUNTED: Final = (
     "fallback_decisions",
     "lost_releases",
 )
-
-
-# -- the drivers of a waiting flow ---------------------------------------------------
-
-
-def _sleeper(state: PermitState, name: str) -> Callable[..., Any] | None:
-    sleep = getattr(state.clock, name, None)
-    return sleep if callable(sleep) else None
-
-
-def _waited(state: PermitState, seconds: float) -> float:
-    """How long a waiter waits for its wake-up: while no subscription is heard, it
-    asks the store every POLL_WITHOUT_WAKEUPS seconds."""
-    return seconds if state.wakeups.heard else min(seconds, POLL_WITHOUT_WAKEUPS)
-
-
-#: The waiters of one call (a permit's acquire has one; acquire_all one per permit),
-#: each registered with its limiter's wake-ups, by name.
-Waiters = dict[str, tuple[Wakeups, Waiter]]
-
-
-def waiters_for(states: Sequence[PermitState]) -> tuple[Waiters, list[str]]:
-    """A waiter registered for each of ``states`` (before the call's first command:
-    a wake-up sent once it is queued finds it), and their names in order."""
-    waiters: Waiters = {}
-    names = []
-    for state in states:
-        waiter = state.wakeups.register()
-        waiters[waiter.name] = (state.wakeups, waiter)
-        names.append(waiter.name)
-    return waiters, names
-
-
-def _unregister(waiters: Waiters) -> None:
-    for wakeups, waiter in waiters.values():
-        wakeups.unregister(waiter)
-
-
-def drive_waits(flow: permits.Waits, state: Any, waiters: Waiters) -> Any:
-    """The blocking loop of a waiting flow: commands sent with blocking calls (on
-    ``state``'s client), a ``Sleep`` waited on its waiter's wake-ups (the listener
-    started for it) or with the clock's ``sleep``, a ``Local`` call made. An
-    exception (``KeyboardInterrupt``) is thrown into the flow, which leaves its
-    queue first."""
-    flowing = Flowing(cast("Flow[Any]", flow))
-    listening: set[int] = set()
-    try:
-        while (step := cast("Any", flowing.command)) is not None:
-            try:
-                if isinstance(step, Sleep):
-                    sleep = _sleeper(step.state, "sleep")
-                    if sleep is not None:
-                        sleep(step.seconds)
-                        got = None
-                    else:
-                        if id(step.state) not in listening:
-                            start_thread(step.state.wakeups, step.state.connect())
-                            listening.add(id(step.state))
-                        got = waiters[step.name][1].wait(_waited(step.state, step.seconds))
-                elif isinstance(step, Local):
-                    got = step.call()
-                else:
-                    got = send(state, step)
-            except BaseException as raised:  # the flow decides what it means
-                flowing.feed(raised, thrown=True)
-            else:
-                flowing.feed(got, thrown=False)
-    finally:
-        _unregister(waiters)
-    value, error = flowing.outcome
-    if error is not None:
-        raise error
-    return value
-
-
-async def drive_waits_async(
-    flow: permits.Waits,
-    state: Any,
-    waiters: Waiters,
-    undo: Callable[[Any], Awaitable[None]],
-    *,
-    blocking: bool = False,
-) -> Any:
-    """The asyncio loop of a waiting flow (``blocking``: its commands sent with
-    blocking calls, the sync limiter's ``acquire_async``). Cancel-safe: cancelled
-    while a command is on its way or while it waits, the rest of the flow runs in a
-    task of its own (the reply lands, the waiter leaves its queue, a permit it got
-    meanwhile is released: ``undo`` of the flow's answer), and the cancellation
-    goes on at once."""
-    flowing = Flowing(cast("Flow[Any]", flow))
-    listening: set[int] = set()
-    handed_on = False
-    try:
-        if flowing.command is None:
-            await asyncio.sleep(0)
-        while (step := cast("Any", flowing.command)) is not None:
-            task: asyncio.Future[Any] | None = None
-            try:
-                if isinstance(step, Sleep):
-                    sleep = _sleeper(step.state, "sleep_async")
-                    if sleep is not None:
-                        await sleep(step.seconds)
-                        got = None
-                    else:
-                        if id(step.state) not in listening:
-                            client = step.state.connect()
-                            if blocking:
-                                start_thread(step.state.wakeups, client)
-                            else:
-                                start_task(step.state.wakeups, client)
-                            listening.add(id(step.state))
-                        waiter = waiters[step.name][1]
-                        got = await waiter.wait_async(_waited(step.state, step.seconds))
-                elif isinstance(step, Local):
-                    got = await step.call_async()
-                elif blocking:
-                    got = send(state, step)
-                else:
-                    task = asyncio.ensure_future(send_async(state, step))
-                    got = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                handed_on = True
-                _finish_later(flowing, state, waiters, task, undo, blocking=blocking)
-                raise
-            except BaseException as raised:
-                flowing.feed(raised, thrown=True)
-            else:
-                flowing.feed(got, thrown=False)
-    finally:
-        if not handed_on:
-            _unregister(waiters)
-    value, error = flowing.outcome
-    if error is not None:
-        raise error
-    return value
-
-
-#: The rests of cancelled waits, held until they end (the loop keeps weak references).
-_FINISHING: set[asyncio.Future[None]] = set()
-
-
-def _finish_later(
-    flowing: Flowing,
-    state: Any,
-    waiters: Waiters,
-    task: asyncio.Future[Any] | None,
-    undo: Callable[[Any], Awaitable[None]],
-    *,
-    blocking: bool,
-) -> None:
-    """A cancelled wait's rest, in a task of its own: the reply of the command on its
-    way lands (``task``), every later wait is cancelled at once (the flow leaves the
-    queue), and what the flow got is undone."""
-
-    async def finish() -> None:
-        try:
-            if task is not None:
-                try:
-                    reply = await task
-                except BaseException as raised:
-                    flowing.feed(raised, thrown=True)
-                else:
-                    flowing.feed(reply, thrown=False)
-            while (step := cast("Any", flowing.command)) is not None:
-                if isinstance(step, (Sleep, Local)):
-                    flowing.feed(asyncio.CancelledError(), thrown=True)
-                    continue
-                try:
-                    reply = send(state, step) if blocking else await send_async(state, step)
-                except BaseException as raised:
-                    flowing.feed(raised, thrown=True)
-                else:
-                    flowing.feed(reply, thrown=False)
-            value, error = flowing.outcome
-            if error is None and value is not None:
-                await undo(value)
-        except Exception:
-            logger.debug("%s: a cancelled wait could not end cleanly", state.name, exc_info=True)
-        finally:
-            _unregister(waiters)
-
-    rest = asyncio.ensure_future(finish())
-    _FINISHING.add(rest)
-    rest.add_done_callback(_FINISHING.discard)
 
 
 # -- permits -------------------------------------------------------------------------
@@ -355,14 +164,18 @@ class AsyncRedisPermit(permits.PermitHolder):
         await self.release()
 
 
+#: Releases and renewals cancelled while they run, held until they end.
+_RUNNING: set[asyncio.Future[Any]] = set()
+
+
 async def _shielded(work: Awaitable[T]) -> T:
     """``work`` in a task of its own: cancelled while it runs, it runs on."""
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        _FINISHING.add(task)  # type: ignore[arg-type]
-        task.add_done_callback(_FINISHING.discard)
+        _RUNNING.add(task)
+        task.add_done_callback(_RUNNING.discard)
         raise
 
 
@@ -425,6 +238,7 @@ class RedisConcurrency(Generic[C]):
             processes=check_processes(processes),
             retry_interval=check_retry_interval(retry_interval),
             name=f"{type(self).__name__}(prefix={prefix!r})",
+            threaded=not self._asyncio,
         )
         self._owned: LazyClient | None = None
 
@@ -574,9 +388,9 @@ class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
         hands it a slot, or until a slot is sure to free by expiry (without the
         store's messages, asking every 0.75 s). An exception while it waits (``KeyboardInterrupt``)
         leaves the queue first."""
-        waiters, names = waiters_for([self._state])
-        flow = permits.acquire(self._state, key, timeout, names[0])
-        return RedisPermit(self._state, drive_waits(flow, self._state, waiters))
+        return RedisPermit(
+            self._state, run(permits.acquire(self._state, key, timeout), self._state)
+        )
 
     async def acquire_async(self, key: str, *, timeout: float | None = None) -> RedisPermit:
         """``acquire`` for asyncio code holding this sync limiter: its commands are
@@ -584,9 +398,8 @@ class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
         are awaited. A task cancelled while it waits leaves the queue (a permit
         handed to it meanwhile goes to the next). An asyncio service should use
         :class:`AsyncRedisConcurrencyLimiter`."""
-        waiters, names = waiters_for([self._state])
-        flow = permits.acquire(self._state, key, timeout, names[0])
-        held = await drive_waits_async(flow, self._state, waiters, self._undo, blocking=True)
+        flow = permits.acquire(self._state, key, timeout)
+        held = await run_async(flow, self._state, blocking=True, undo=self._undo)
         return RedisPermit(self._state, held)
 
     async def _undo(self, held: Held) -> None:
@@ -630,15 +443,14 @@ class AsyncRedisConcurrencyLimiter(RedisConcurrency[AsyncClient]):
     async def try_acquire(self, key: str) -> AsyncRedisPermit:
         """:meth:`RedisConcurrencyLimiter.try_acquire`, awaited."""
         flow = permits.take(self._state, key)
-        return AsyncRedisPermit(self._state, await _taken(flow, self._state))
+        return AsyncRedisPermit(self._state, await run_async(flow, self._state, undo=self._undo))
 
     async def acquire(self, key: str, *, timeout: float | None = None) -> AsyncRedisPermit:
         """:meth:`RedisConcurrencyLimiter.acquire`, awaited. Cancel-safe: a task
         cancelled while it waits (or while its request is on its way) leaves the
         queue, and a permit handed to it meanwhile goes at once to the next."""
-        waiters, names = waiters_for([self._state])
-        flow = permits.acquire(self._state, key, timeout, names[0])
-        held = await drive_waits_async(flow, self._state, waiters, self._undo)
+        flow = permits.acquire(self._state, key, timeout)
+        held = await run_async(flow, self._state, undo=self._undo)
         return AsyncRedisPermit(self._state, held)
 
     #: The same coroutine as :meth:`acquire`, for code written for
@@ -669,28 +481,6 @@ class AsyncRedisConcurrencyLimiter(RedisConcurrency[AsyncClient]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-
-async def _taken(flow: Flow[Held], state: PermitState) -> Held:
-    """``try_acquire``'s round trip, shielded: cancelled while its script may have
-    run, it lets the reply land and releases a permit it got."""
-    task = asyncio.ensure_future(run_async(flow, state))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(lambda done: _release_when_done(done, state))
-        raise
-
-
-def _release_when_done(task: asyncio.Future[Held], state: PermitState) -> None:
-    if task.cancelled() or task.exception() is not None:
-        return
-    held = task.result()
-    if held.member is not None or held.local is not None:
-        permit = AsyncRedisPermit(state, held)
-        rest = asyncio.ensure_future(permit.release())
-        _FINISHING.add(rest)
-        rest.add_done_callback(_FINISHING.discard)
 
 
 __all__ = [
@@ -841,7 +631,7 @@ def allow_all(kind: Kind, checks: list[Any], cost: object, mode: Mode, max_wait:
         kind=kind,
         wait=False,
     )
-    combined = drive_waits(permits.reserve_all(parts, pparts, mode, waited), pparts[0][0], {})
+    combined = run(permits.reserve_all(parts, pparts, mode, waited), pparts[0][0])
     return reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
 
 
@@ -864,7 +654,7 @@ async def allow_all_async(
         await made.cancel()
 
     flow = permits.reserve_all(parts, pparts, mode, waited)
-    combined = await drive_waits_async(flow, pparts[0][0], {}, undo)
+    combined = await run_async(flow, pparts[0][0], undo=undo)
     return reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
 
 
@@ -875,9 +665,7 @@ def acquire_all(kind: Kind, checks: list[Any], cost: object, timeout: object) ->
     named, parts, pparts, where, waited = with_permits(
         "acquire_all", checks, cost, timeout, kind=kind, wait=True
     )
-    waiters, names = waiters_for([state for state, _ in pparts])
-    flow = permits.acquire_all(parts, pparts, waited, names)
-    combined = drive_waits(flow, pparts[0][0], waiters)
+    combined = run(permits.acquire_all(parts, pparts, waited), pparts[0][0])
     made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
     made.wait()
     return made
@@ -894,9 +682,8 @@ async def acquire_all_async(kind: Kind, checks: list[Any], cost: object, timeout
         made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
         await made.cancel()
 
-    waiters, names = waiters_for([state for state, _ in pparts])
-    flow = permits.acquire_all(parts, pparts, waited, names)
-    combined = await drive_waits_async(flow, pparts[0][0], waiters, undo)
+    flow = permits.acquire_all(parts, pparts, waited)
+    combined = await run_async(flow, pparts[0][0], undo=undo)
     made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
     await made.wait()
     return made

@@ -1,21 +1,30 @@
 """The two drivers of every flow (docs/design.md §6): one blocking loop, one asyncio loop.
 
-A driver sends each command a flow waits on to the limiter's client and gives the
-flow the reply, or throws the client's error in at its ``yield``; the flow's
-return value is the operation's answer. That is all a driver does: what a reply
-or an error means is the flow's (``bucketlimit._redis.flows``). A flow is driven
-as a :class:`~bucketlimit._redis.flows.Flowing` (the common allow as
-``flows.Allow``, which needs no generator), so a step costs no exception. Shared
+They are the only loops of the Redis layer. A flow yields steps: a command, which
+the driver sends to the limiter's client; a ``Wait``, which it waits on through
+the step's handle (a permit's waiter: ``wakeups.Waiting``), never reaching into
+a feature's state; a ``Local``, an answer from in process. The driver gives the
+flow what came back, or throws the error in at its ``yield``; the flow's return
+value is the operation's answer. What a reply or an error means is the flow's
+(``bucketlimit._redis.flows``). A flow is driven as a
+:class:`~bucketlimit._redis.flows.Flowing` (the common allow as ``flows.Allow``,
+which needs no generator), so a step costs no exception. The asyncio driver is
+cancel-safe for the flows that hold something once answered (``undo``). Shared
 round trips, which drive many flows at once, are ``bucketlimit._redis.batching``.
 
-One piece of I/O is more than a call: an asyncio cluster client lost among the
-redirections of a slot being migrated is followed here (:func:`follow_asks`).
+Sending is more than a call in three places: a command waits for a connection
+while its client's pool is full (:data:`POOL_WAIT`), an asyncio cluster client
+lost among the redirections of a slot being migrated is followed here
+(:func:`follow_asks`), and one that could not start sends to the key's node
+(:func:`unstarted_node`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
 from bucketlimit._core import Decision
@@ -31,10 +40,12 @@ from bucketlimit._redis.errors import (
     TryAgainError,
     classify,
 )
-from bucketlimit._redis.flows import Command, Flow, Flowing, Outcome
+from bucketlimit._redis.flows import Command, Flow, Flowing, Local, Outcome, Wait
 from bucketlimit._redis.state import LimiterState, Store
 
 T = TypeVar("T")
+
+logger = logging.getLogger("bucketlimit")
 
 #: Seconds a command waits for a connection when its client's pool is full and says
 #: so at once (redis-py's ``MaxConnectionsError``: nothing was sent), in steps of
@@ -46,11 +57,20 @@ POOL_STEP: Final = 0.002
 
 
 def drive(flowing: Flowing, state: Store) -> Outcome:
-    """The one blocking loop: sends each command ``flowing`` waits on to the state's
-    client and feeds it the reply or the error, until it has its outcome."""
-    while (command := flowing.command) is not None:
+    """The one blocking loop: for each step ``flowing`` waits on, sends the command
+    to the state's client, waits (:class:`~bucketlimit._redis.flows.Wait`: its
+    handle), or calls in process (``Local``), and feeds it what came back, or the
+    error thrown in (a ``KeyboardInterrupt`` too: the flow gives back what it held
+    first), until it has its outcome."""
+    while (step := flowing.command) is not None:
         try:
-            reply = send(state, command)
+            kind = step.__class__
+            if kind is Wait:
+                reply = step.handle.wait(step.seconds)
+            elif kind is Local:
+                reply = step.call()
+            else:
+                reply = send(state, step)
         except BaseException as error:  # the flow decides what a failure means
             flowing.feed(error, thrown=True)
         else:
@@ -58,21 +78,103 @@ def drive(flowing: Flowing, state: Store) -> Outcome:
     return flowing.outcome
 
 
-async def drive_async(flowing: Flowing, state: Store) -> Outcome:
-    """The one asyncio loop: :func:`drive`, each command awaited on the state's
-    asyncio client. An outcome reached without any command (a cached refusal, the
-    policy while the breaker skips the store) still yields to the event loop once,
-    so a task calling a degraded limiter in a loop cannot starve the others."""
+async def drive_async(
+    flowing: Flowing,
+    state: Store,
+    *,
+    blocking: bool = False,
+    undo: Callable[[Any], Awaitable[None]] | None = None,
+) -> Outcome:
+    """The one asyncio loop: :func:`drive`, each step awaited (``blocking``: the
+    commands sent with blocking calls, the sync limiters' ``*_async`` methods). An
+    outcome reached without any step (a cached refusal, the policy while the
+    breaker skips the store) still yields to the event loop once, so a task calling
+    a degraded limiter in a loop cannot starve the others.
+
+    A cancellation is thrown into the flow, which counts it; except with ``undo``
+    (a flow that holds something once answered: a permit, a place in a queue),
+    where the flow is cancel-safe: a command on its way is shielded, and once
+    cancelled the rest of the flow runs in a task of its own (:func:`finish`: the
+    reply lands, every later wait is cancelled at once, so the flow leaves its
+    queue), then ``undo`` gives back what it got; the cancellation goes on at once."""
     if flowing.command is None:
-        await asyncio.sleep(0)
-    while (command := flowing.command) is not None:
         try:
-            reply = await send_async(state, command)
-        except BaseException as error:  # CancelledError too: the flow counts it
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            if undo is not None:  # answered already (in process): undone all the same
+                finish(flowing, state, None, undo, blocking=blocking)
+            raise
+    while (step := flowing.command) is not None:
+        task: asyncio.Future[Any] | None = None
+        try:
+            kind = step.__class__
+            if kind is Wait:
+                reply = await step.handle.wait_async(step.seconds)
+            elif kind is Local:
+                reply = await step.call_async()
+            elif blocking:
+                reply = send(state, step)
+            elif undo is None:
+                reply = await send_async(state, step)
+            else:
+                task = asyncio.ensure_future(send_async(state, step))
+                reply = await asyncio.shield(task)
+        except asyncio.CancelledError as cancelled:
+            if undo is not None:
+                finish(flowing, state, task, undo, blocking=blocking)
+                raise
+            flowing.feed(cancelled, thrown=True)  # the flow counts it
+        except BaseException as error:  # the flow decides what a failure means
             flowing.feed(error, thrown=True)
         else:
             flowing.feed(reply, thrown=False)
     return flowing.outcome
+
+
+#: The rests of cancelled flows, held until they end (the loop keeps weak references).
+_FINISHING: set[asyncio.Future[None]] = set()
+
+
+def finish(
+    flowing: Flowing,
+    state: Store,
+    task: asyncio.Future[Any] | None,
+    undo: Callable[[Any], Awaitable[None]],
+    *,
+    blocking: bool,
+) -> None:
+    """A cancelled flow's rest, in a task of its own: the reply of the command on its
+    way lands (``task``), every later wait or in-process call is cancelled at once
+    (the flow leaves its queue), and what the flow got is undone."""
+
+    async def rest() -> None:
+        try:
+            if task is not None:
+                try:
+                    reply = await task
+                except BaseException as raised:
+                    flowing.feed(raised, thrown=True)
+                else:
+                    flowing.feed(reply, thrown=False)
+            while (step := flowing.command) is not None:
+                if step.__class__ in (Wait, Local):
+                    flowing.feed(asyncio.CancelledError(), thrown=True)
+                    continue
+                try:
+                    reply = send(state, step) if blocking else await send_async(state, step)
+                except BaseException as raised:
+                    flowing.feed(raised, thrown=True)
+                else:
+                    flowing.feed(reply, thrown=False)
+            value, error = flowing.outcome
+            if error is None and value is not None:
+                await undo(value)
+        except Exception:
+            logger.debug("%s: a cancelled call could not end cleanly", state.name, exc_info=True)
+
+    ending = asyncio.ensure_future(rest())
+    _FINISHING.add(ending)
+    ending.add_done_callback(_FINISHING.discard)
 
 
 def send(state: Store, command: Command) -> Any:
@@ -232,9 +334,16 @@ def run(flow: Flow[T], state: Store) -> T:
     return answer(drive(Flowing(flow), state))  # type: ignore[no-any-return]
 
 
-async def run_async(flow: Flow[T], state: Store) -> T:
-    """Drives ``flow`` to its answer, awaited."""
-    return answer(await drive_async(Flowing(flow), state))  # type: ignore[no-any-return]
+async def run_async(
+    flow: Flow[T],
+    state: Store,
+    *,
+    blocking: bool = False,
+    undo: Callable[[Any], Awaitable[None]] | None = None,
+) -> T:
+    """Drives ``flow`` to its answer, awaited (:func:`drive_async`'s options)."""
+    outcome = await drive_async(Flowing(flow), state, blocking=blocking, undo=undo)
+    return answer(outcome)  # type: ignore[no-any-return]
 
 
 def allow(state: LimiterState, key: str, cost: object) -> Decision:

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, Final, NoReturn, TypeVar
+from typing import Any, Final, NoReturn, Protocol, TypeVar
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
@@ -122,8 +122,42 @@ class ScriptCommand(Command):
         return ScriptCommand(self.script, self.keys, self.args, joins=self.joins, whole=True)
 
 
-#: What an operation yields and is sent: a command, then its reply.
-Flow = Generator[Command, Any, T]
+class Handle(Protocol):
+    """What a :class:`Wait` waits on (a permit's waiter, ``wakeups.Waiting``): it
+    answers what woke it, or ``None`` when the time ran out."""
+
+    def wait(self, seconds: float) -> Any: ...
+    async def wait_async(self, seconds: float) -> Any: ...
+
+
+class Wait:
+    """A pause of a flow: up to ``seconds``, or until ``handle`` is woken. The
+    drivers send back what ``handle.wait`` (or ``wait_async``) answers."""
+
+    __slots__ = ("handle", "seconds")
+
+    def __init__(self, seconds: float, handle: Handle) -> None:
+        self.seconds = seconds
+        self.handle = handle
+
+
+class Local:
+    """An answer from in process instead of the store (a policy's that waits):
+    ``call`` blocking, or ``call_async`` awaited; the drivers send back its answer."""
+
+    __slots__ = ("call", "call_async")
+
+    def __init__(self, call: Callable[[], Any], call_async: Callable[[], Any]) -> None:
+        self.call = call
+        self.call_async = call_async
+
+
+#: What a flow yields: a command to send, a pause, or an answer from in process.
+Step = Command | Wait | Local
+
+#: What an operation yields and is sent: a command, then its reply (or a pause, or an
+#: answer from in process, then what it brought).
+Flow = Generator[Step, Any, T]
 
 
 class Unanswered(Exception):
@@ -465,7 +499,7 @@ class Flowing:
     def __init__(self, flow: Flow[Any]) -> None:
         self._flow: Flow[Any] | None = flow
         self.outcome = NO_OUTCOME
-        self.command: Command | None = None
+        self.command: Any = None  # the step it waits on: a Command (or a Wait, a Local)
         self.feed(None, thrown=False)  # runs it to its first command
 
     def feed(self, value: Any, *, thrown: bool) -> None:
@@ -540,7 +574,7 @@ class Allow(Flowing):
                 self.argv = (*state.evalsha, bucket, *args)
                 self.keys = (bucket,)
                 self.joins = (cost, args[2] if len(args) > 2 else SERVER_TIME)
-                self.command = self  # type: ignore[assignment]  # it has a command's shape
+                self.command = self  # it has a command's shape
                 return
         super().__init__(decide(state, key, cost))
 

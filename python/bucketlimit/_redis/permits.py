@@ -13,7 +13,7 @@ and every operation as a flow (``bucketlimit._redis.flows``), which the public
 classes (``bucketlimit._redis.concurrency``) drive:
 
 - the limiter's own calls: :func:`take` (``try_acquire``), :func:`acquire` (a
-  *waiting flow*: it also yields :class:`Sleep` and :class:`Local` steps),
+  *waiting flow*: it also yields ``Wait`` and ``Local`` steps),
   :func:`release`, :func:`renew`, :func:`valid`, :func:`in_flight`,
   :func:`check`;
 - the ``*_all`` calls with permits among token buckets, one script each:
@@ -33,21 +33,22 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from bucketlimit import _core
 from bucketlimit._core import ConcurrencyLimiter, Decision
 from bucketlimit._redis.clients import LazyClient
 from bucketlimit._redis.flows import (
-    Command,
     Corrupt,
     Flow,
     Line,
+    Local,
     Part,
     Reserved,
     ScriptCommand,
     Unanswered,
+    Wait,
     answered,
     ask,
     change_all,
@@ -89,7 +90,7 @@ from bucketlimit._redis.script import (
     Script,
 )
 from bucketlimit._redis.state import Breakers, Counters, StoreState
-from bucketlimit._redis.wakeups import POLL_WITHOUT_WAKEUPS, Wakeups
+from bucketlimit._redis.wakeups import POLL_WITHOUT_WAKEUPS, Waiting, Wakeups
 
 logger = logging.getLogger("bucketlimit")
 
@@ -307,8 +308,11 @@ class PermitState(StoreState):
         processes: int | None,
         retry_interval: float,
         name: str,
+        threaded: bool,
     ) -> None:
         self.source = client
+        #: The client is a blocking one: waiters' wake-ups are heard by a thread.
+        self.threaded = threaded
         self.client: Any = None if isinstance(client, LazyClient) else client
         self.cluster = cluster
         self.limit = limit
@@ -373,6 +377,10 @@ class PermitState(StoreState):
             if local is None or local.stats()["in_flight"] == 0:
                 self.fallback = self._fallback()
 
+    def waiting(self) -> Waiting:
+        """A waiter of this limiter's wake-ups, for one waiting call (closed by it)."""
+        return Waiting(self.wakeups, self.clock, self.connect, threaded=self.threaded)
+
     # -- commands --------------------------------------------------------------------
 
     def key(self, key: str) -> bytes:
@@ -424,32 +432,8 @@ class PermitState(StoreState):
 # -- the steps a waiting flow yields besides commands ----------------------------------
 
 
-class Sleep:
-    """Wait ``seconds`` (the limiter's clock's ``sleep`` when it has one), or until
-    the waiter ``name`` of ``state``'s wake-ups is woken: the driver sends back the
-    grant told (``token, remaining, reset_µs``), the wake-ups' RESYNC, or None."""
-
-    __slots__ = ("name", "seconds", "state")
-
-    def __init__(self, seconds: float, state: PermitState, name: str) -> None:
-        self.seconds = seconds
-        self.state = state
-        self.name = name
-
-
-class Local:
-    """Call in process instead (a policy's answer that waits): ``call`` blocking, or
-    ``call_async`` awaited; the driver sends back the answer."""
-
-    __slots__ = ("call", "call_async")
-
-    def __init__(self, call: Callable[[], Any], call_async: Callable[[], Any]) -> None:
-        self.call = call
-        self.call_async = call_async
-
-
-#: A flow that may wait: it yields commands, Sleep and Local steps.
-Waits = Generator["Command | Sleep | Local", Any, Any]
+#: A flow that may wait: it yields commands, waits and in-process answers.
+Waits = Flow[Any]
 
 
 # -- the limiter's own calls -------------------------------------------------------------
@@ -501,16 +485,27 @@ def left_of(state: PermitState, deadline: int | None) -> int | None:
     return None if deadline is None else max(0, deadline - state.micros())
 
 
-def acquire(state: PermitState, key: str, timeout: object, name: str) -> Waits:
-    """``acquire(key, timeout=...)`` as the waiter ``name`` (its wake-ups' name): a
-    permit now, or a place in the key's queue and a wait (:func:`wait_for`) until
-    one is handed to it; refused once ``timeout`` has passed. Without the store,
-    the policy answers for the rest of the wait."""
+def acquire(state: PermitState, key: str, timeout: object) -> Waits:
+    """``acquire(key, timeout=...)``: a permit now, or a place in the key's queue and
+    a wait (:func:`wait_for`, as the waiter its handle names) until one is handed
+    to it; refused once ``timeout`` has passed. Without the store, the policy
+    answers for the rest of the wait."""
     pkey = state.key(key)
     wait = check_wait(timeout, "timeout")
     if wait == 0:
         return (yield from take(state, key))
-    deadline = deadline_of(state, wait)
+    waiting = state.waiting()
+    try:
+        return (yield from queued(state, key, pkey, waiting, deadline_of(state, wait)))
+    finally:
+        waiting.close()
+
+
+def queued(
+    state: PermitState, key: str, pkey: bytes, waiting: Waiting, deadline: int | None
+) -> Waits:
+    """:func:`acquire` once its waiter is registered: take or queue, then wait."""
+    name = waiting.name
     breaker = state.breaker(pkey)
     gate = breaker.admit()
     try:
@@ -519,7 +514,7 @@ def acquire(state: PermitState, key: str, timeout: object, name: str) -> Waits:
         reply, sent = yield from ask(state, breaker, gate, state.command(QUEUE, pkey, name=name))
         answered(breaker, gate, wrote=True)
         if int(reply[0]) == QUEUED:
-            held, more = yield from wait_for(state, key, pkey, name, int(reply[4]), deadline)
+            held, more = yield from wait_for(state, key, pkey, waiting, int(reply[4]), deadline)
             sent += more
         else:
             held = state.held(key, reply)
@@ -553,10 +548,10 @@ def acquired_without_store(state: PermitState, key: str, timeout: float | None) 
 
 
 def wait_for(
-    state: PermitState, key: str, pkey: bytes, name: str, hint: int, deadline: int | None
-) -> Generator[Command | Sleep | Local, Any, tuple[Held, int]]:
-    """The wait of a queued waiter ``name`` (``hint``: µs until a slot is sure to be
-    its): it sleeps until then, its timeout's end, or a wake-up (a grant told, or
+    state: PermitState, key: str, pkey: bytes, waiting: Waiting, hint: int, deadline: int | None
+) -> Flow[tuple[Held, int]]:
+    """The wait of a queued waiter (``waiting``: its handle; ``hint``: µs until a slot
+    is sure to be its): it sleeps until then, its timeout's end, or a wake-up (a grant told, or
     RESYNC: ask the store), asking the store (``POLL``) at most every
     ``state.min_poll`` seconds and before half its lease is gone; at the deadline
     it gives up (``GIVE_UP``: granted if one was handed to it meanwhile). An
@@ -564,6 +559,7 @@ def wait_for(
     releases a permit handed to it meanwhile). Answers the Held and the commands
     sent; a store failure raises ``Unanswered`` / ``Corrupt`` (its caller answers
     by the policy)."""
+    name = waiting.name
     sent = 0
     most = state.lease_micros / 2_000_000
     asked = time.monotonic()  # its last question (the queueing call just answered)
@@ -574,15 +570,13 @@ def wait_for(
                 reply, n = yield from ask_about(state, pkey, GIVE_UP, name=name)
                 return state.held(key, reply, name), sent + n
             seconds = min(max(hint / MICROS, state.min_poll), most)
-            woken = yield Sleep(
-                seconds if left is None else min(seconds, left / MICROS), state, name
-            )
+            woken = yield Wait(seconds if left is None else min(seconds, left / MICROS), waiting)
             # Woken early (RESYNC): still no question sooner than min_poll after the last.
             while not told(woken) and (gap := state.min_poll - (time.monotonic() - asked)) > 0:
                 left = left_of(state, deadline)
                 if left is not None and left <= 0:
                     break
-                woken = yield Sleep(gap if left is None else min(gap, left / MICROS), state, name)
+                woken = yield Wait(gap if left is None else min(gap, left / MICROS), waiting)
             if told(woken):
                 token, remaining, reset = woken
                 decision = granted_decision(state, remaining, reset)
@@ -1045,20 +1039,33 @@ def reserve_all(
 
 
 def acquire_all(
-    parts: Sequence[Part],
-    permit_parts: Sequence[PermitPart],
-    timeout: int | None,
-    names: Sequence[str],
+    parts: Sequence[Part], permit_parts: Sequence[PermitPart], timeout: int | None
 ) -> Waits:
     """``acquire_all`` with permits among the checks (docs/design.md §4, "Permits"):
     one script takes every permit free now and, when all are, reserves the tokens
     within the timeout, all or nothing (one EVALSHA when nothing waits). When a
     permit is busy the call holds the ones before it in the fixed order (by Redis
-    key) and queues there as ``names[i]`` (:func:`wait_for`); once handed it, the
+    key) and queues there as its waiter (:func:`wait_for`); once handed it, the
     next script goes on from there, the permits it holds extended to live ``ttl``
     from when the tokens are ready, and released if the tokens are refused. The
     wait counts on the first check's clock. Without the store the policies answer
     for the rest (:func:`all_without_store`, waiting in process)."""
+    waitings = [pstate.waiting() for pstate, _ in permit_parts]
+    try:
+        return (yield from acquired_all(parts, permit_parts, timeout, waitings))
+    finally:
+        for waiting in waitings:
+            waiting.close()
+
+
+def acquired_all(
+    parts: Sequence[Part],
+    permit_parts: Sequence[PermitPart],
+    timeout: int | None,
+    waitings: Sequence[Waiting],
+) -> Waits:
+    """:func:`acquire_all` once its waiters are registered (one per permit)."""
+    names = [waiting.name for waiting in waitings]
     first = store_of(parts, permit_parts)
     clock = first.clock or time.monotonic
     start = _core.clock_to_micros(clock())
@@ -1087,7 +1094,7 @@ def acquire_all(
                     held[i] = answer
             i = order[position]
             pstate, key = permit_parts[i]
-            got, n = yield from wait_for(pstate, key, pstate.key(key), names[i], hint, deadline)
+            got, n = yield from wait_for(pstate, key, pstate.key(key), waitings[i], hint, deadline)
             sent += n
             if got.member is None:  # the timeout passed: everything it holds goes back
                 yield from release_all(permit_parts, held)

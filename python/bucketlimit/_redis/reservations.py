@@ -335,14 +335,6 @@ class AsyncRedisReservation(ReservationState):
         except Exception:  # counted and logged as a lost refund
             logger.debug("a waiter's refund failed", exc_info=True)
 
-    def _give_back_later(self) -> None:
-        """Cancelled while its reservation's reply was on its way: the reply landed,
-        and its tokens go back in a task of its own."""
-        if self:
-            refund = asyncio.ensure_future(self._cancel_quietly())
-            _REFUNDS.add(refund)
-            refund.add_done_callback(_REFUNDS.discard)
-
     async def cancel(self) -> None:
         """:meth:`RedisReservation.cancel`, awaited."""
         for flow, state in self._cancel_flows():

@@ -128,6 +128,52 @@ class Waiter:
         return woken
 
 
+class Waiting:
+    """One waiting call's handle, for the drivers (a ``Wait`` step's ``handle``): its
+    waiter, registered with the limiter's wake-ups now (before the call's first
+    command, so a wake-up sent once it is queued finds it) until :meth:`close`.
+    It waits with the limiter's clock when the clock can sleep (a ManualClock:
+    ``sleep`` / ``sleep_async``), else on its wake-ups, starting their listener: a
+    thread for a blocking client (``threaded``), a task for an asyncio one. While
+    no subscription is heard it waits at most :data:`POLL_WITHOUT_WAKEUPS`."""
+
+    __slots__ = ("_clock", "_connect", "_threaded", "_waiter", "_wakeups", "name")
+
+    def __init__(self, wakeups: Wakeups, clock: Any, connect: Any, *, threaded: bool) -> None:
+        self._wakeups = wakeups
+        self._clock = clock
+        self._connect = connect
+        self._threaded = threaded
+        self._waiter = wakeups.register()
+        self.name = self._waiter.name
+
+    def _seconds(self, seconds: float) -> float:
+        return seconds if self._wakeups.heard else min(seconds, POLL_WITHOUT_WAKEUPS)
+
+    def wait(self, seconds: float) -> Grant | tuple[str] | None:
+        sleep = getattr(self._clock, "sleep", None)
+        if callable(sleep):
+            sleep(seconds)
+            return None
+        start_thread(self._wakeups, self._connect())
+        return self._waiter.wait(self._seconds(seconds))
+
+    async def wait_async(self, seconds: float) -> Grant | tuple[str] | None:
+        sleep = getattr(self._clock, "sleep_async", None)
+        if callable(sleep):
+            await sleep(seconds)
+            return None
+        if self._threaded:
+            start_thread(self._wakeups, self._connect())
+        else:
+            start_task(self._wakeups, self._connect())
+        return await self._waiter.wait_async(self._seconds(seconds))
+
+    def close(self) -> None:
+        """The call ended: its waiter leaves the wake-ups."""
+        self._wakeups.unregister(self._waiter)
+
+
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
