@@ -604,10 +604,10 @@ class _Backend:
         return acquire_all_async(checks, cost, timeout=timeout)
 
 
-_SYNC = concurrency.Kind(
+_SYNC = concurrency.CallClasses(
     RedisTokenBucketLimiter, RedisConcurrencyLimiter, RedisReservation, RedisPermit
 )
-_ASYNC = concurrency.Kind(
+_ASYNC = concurrency.CallClasses(
     AsyncRedisTokenBucketLimiter,
     AsyncRedisConcurrencyLimiter,
     AsyncRedisReservation,

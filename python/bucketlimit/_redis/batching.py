@@ -292,7 +292,7 @@ async def _fly_async(state: LimiterState, members: Sequence[Flowing]) -> None:
     await asyncio.gather(*(drive_async(member, state) for member in alone))
 
 
-class Waiter:
+class Queued:
     """An allow waiting for a shared round trip: ``member`` (its ``Allow``, waiting on
     its command) and ``wake`` (a ``threading.Event`` or an asyncio future) set when
     it has its outcome, or, for the sync class, when it must send the next round
@@ -303,7 +303,7 @@ class Waiter:
     def __init__(self, member: Allow, wake: Any) -> None:
         self.member = member
         self.wake = wake
-        self.lead: list[Waiter] | None = None
+        self.lead: list[Queued] | None = None
         # A sync waiter interrupted while it waited (KeyboardInterrupt): its allow
         # is not sent, and it is never made the one that sends (set under the lock).
         self.gone = False
@@ -317,7 +317,7 @@ class Flights:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._flying: set[Breaker] = set()
-        self._queues: dict[Breaker, list[Waiter]] = {}
+        self._queues: dict[Breaker, list[Queued]] = {}
 
     def after_fork(self) -> None:
         """In a forked child: nothing of the parent's is in flight here."""
@@ -325,16 +325,16 @@ class Flights:
         self._flying = set()
         self._queues = {}
 
-    def join(self, node: Breaker, member: Allow, wake: Callable[[], Any]) -> Waiter | None:
+    def join(self, node: Breaker, member: Allow, wake: Callable[[], Any]) -> Queued | None:
         with self._lock:
             if node not in self._flying:
                 self._flying.add(node)
                 return None
-            waiter = Waiter(member, wake())
+            waiter = Queued(member, wake())
             self._queues.setdefault(node, []).append(waiter)
             return waiter
 
-    def landed(self, node: Breaker) -> list[Waiter] | None:
+    def landed(self, node: Breaker) -> list[Queued] | None:
         """A round trip of ``node`` ended: the waiters of the next one, or None when
         none waits (then nothing of it is in flight)."""
         with self._lock:
@@ -344,7 +344,7 @@ class Flights:
                 return None
             return waiters
 
-    def lead(self, waiters: list[Waiter]) -> Waiter | None:
+    def lead(self, waiters: list[Queued]) -> Queued | None:
         """The first waiter still there is made the one to send (sync class)."""
         with self._lock:
             lead = next((waiter for waiter in waiters if not waiter.gone), None)
@@ -352,7 +352,7 @@ class Flights:
                 lead.lead = waiters
             return lead
 
-    def leave(self, waiter: Waiter) -> list[Waiter] | None:
+    def leave(self, waiter: Queued) -> list[Queued] | None:
         """An interrupted sync waiter: never sent, never made the sender; what it must
         send for the others first, if it was made the sender already."""
         with self._lock:
@@ -418,7 +418,7 @@ class GroupCommit:
             for waiter in waiters:
                 waiter.member.close()
 
-    def _fly(self, waiters: list[Waiter], me: Waiter | None) -> None:
+    def _fly(self, waiters: list[Queued], me: Queued | None) -> None:
         """One flight for ``waiters``, sent by this thread (``me``: its own waiter,
         unless it was interrupted); each gets its outcome."""
         live = []
@@ -484,7 +484,7 @@ class Batcher:
             _FLIGHTS.add(task)
             task.add_done_callback(_FLIGHTS.discard)
 
-    async def _fly(self, node: Breaker, waiters: list[Waiter]) -> None:
+    async def _fly(self, node: Breaker, waiters: list[Queued]) -> None:
         live = []
         for waiter in waiters:
             if waiter.wake.done():  # cancelled while it waited: never sent

@@ -182,7 +182,7 @@ async def _shielded(work: Awaitable[T]) -> T:
 # -- the limiters -----------------------------------------------------------------------
 
 
-class Options(TypedDict, total=False):
+class PermitOptions(TypedDict, total=False):
     """The constructor's keyword arguments, for ``from_url``."""
 
     ttl: float | SupportsIndex
@@ -250,7 +250,7 @@ class RedisConcurrency(Generic[C]):
         *,
         cluster: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
-        **options: Unpack[Options],
+        **options: Unpack[PermitOptions],
     ) -> Self:
         """A limiter on a new client for ``url`` (:func:`bucketlimit.redis.client_from_url`:
         ``timeout`` seconds to connect and to answer, no command retries), built on
@@ -595,7 +595,7 @@ def reservation(
 
 
 def with_permits(
-    what: str, checks: list[Any], cost: object, max_wait: object, *, kind: Kind, wait: bool
+    what: str, checks: list[Any], cost: object, max_wait: object, *, kind: CallClasses, wait: bool
 ) -> tuple[list[tuple[Any, str, int]], list[Part], list[PermitPart], list[bool], int | None]:
     """The checks and the wait of a call over buckets and permits."""
     name = "timeout" if wait else "max_wait"
@@ -606,7 +606,7 @@ def with_permits(
     return named, parts, pparts, where, waited
 
 
-class Kind:
+class CallClasses:
     """The classes of one kind of call over several Redis limiters (blocking or
     asyncio), which ``bucketlimit.redis`` gives: its token-bucket class, its
     concurrency class, its reservation class and its permits' class."""
@@ -620,7 +620,9 @@ class Kind:
         self.holder = holder
 
 
-def allow_all(kind: Kind, checks: list[Any], cost: object, mode: Mode, max_wait: object) -> Any:
+def allow_all(
+    kind: CallClasses, checks: list[Any], cost: object, mode: Mode, max_wait: object
+) -> Any:
     """``allow_all`` (``ALLOW``) and ``reserve_all`` (``RESERVE``) with permits among
     the checks, blocking: one script; the reservation holding the permits."""
     named, parts, pparts, where, waited = with_permits(
@@ -636,7 +638,7 @@ def allow_all(kind: Kind, checks: list[Any], cost: object, mode: Mode, max_wait:
 
 
 async def allow_all_async(
-    kind: Kind, checks: list[Any], cost: object, mode: Mode, max_wait: object
+    kind: CallClasses, checks: list[Any], cost: object, mode: Mode, max_wait: object
 ) -> Any:
     """:func:`allow_all` for the asyncio limiters (shielded: cancelled while its
     script is on its way, it gives back what it got once the reply lands)."""
@@ -658,7 +660,7 @@ async def allow_all_async(
     return reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
 
 
-def acquire_all(kind: Kind, checks: list[Any], cost: object, timeout: object) -> Any:
+def acquire_all(kind: CallClasses, checks: list[Any], cost: object, timeout: object) -> Any:
     """``acquire_all`` with permits among the checks, blocking: waits for the permits
     (in the order of their Redis keys, FIFO each), then for the tokens; answers the
     reservation holding them (its ``settle`` / ``cancel`` release them)."""
@@ -671,7 +673,9 @@ def acquire_all(kind: Kind, checks: list[Any], cost: object, timeout: object) ->
     return made
 
 
-async def acquire_all_async(kind: Kind, checks: list[Any], cost: object, timeout: object) -> Any:
+async def acquire_all_async(
+    kind: CallClasses, checks: list[Any], cost: object, timeout: object
+) -> Any:
     """:func:`acquire_all` for the asyncio limiters; cancel-safe (a cancelled waiter
     leaves its queue, and what it held or was handed goes back)."""
     named, parts, pparts, where, waited = with_permits(

@@ -58,7 +58,7 @@ COUNTED: Final = (
 C = TypeVar("C")
 
 
-class Options(TypedDict, total=False):
+class BucketOptions(TypedDict, total=False):
     """The constructor's keyword arguments, for ``from_url``."""
 
     per: float | SupportsIndex
@@ -191,7 +191,7 @@ class RedisLimiter(Generic[C]):
         *,
         cluster: bool = False,
         timeout: float = DEFAULT_TIMEOUT,
-        **options: Unpack[Options],
+        **options: Unpack[BucketOptions],
     ) -> Self:
         """A limiter on a new client for ``url`` (:func:`bucketlimit.redis.client_from_url`):
         ``timeout`` seconds to connect and to answer, and no command retries (a

@@ -90,7 +90,7 @@ from bucketlimit._redis.script import (
     Script,
 )
 from bucketlimit._redis.state import Breakers, Counters, StoreState
-from bucketlimit._redis.wakeups import POLL_WITHOUT_WAKEUPS, Waiting, Wakeups
+from bucketlimit._redis.wakeups import POLL_WITHOUT_WAKEUPS, WaitHandle, Wakeups
 
 logger = logging.getLogger("bucketlimit")
 
@@ -377,9 +377,9 @@ class PermitState(StoreState):
             if local is None or local.stats()["in_flight"] == 0:
                 self.fallback = self._fallback()
 
-    def waiting(self) -> Waiting:
+    def waiting(self) -> WaitHandle:
         """A waiter of this limiter's wake-ups, for one waiting call (closed by it)."""
-        return Waiting(self.wakeups, self.clock, self.connect, threaded=self.threaded)
+        return WaitHandle(self.wakeups, self.clock, self.connect, threaded=self.threaded)
 
     # -- commands --------------------------------------------------------------------
 
@@ -502,7 +502,7 @@ def acquire(state: PermitState, key: str, timeout: object) -> Waits:
 
 
 def queued(
-    state: PermitState, key: str, pkey: bytes, waiting: Waiting, deadline: int | None
+    state: PermitState, key: str, pkey: bytes, waiting: WaitHandle, deadline: int | None
 ) -> Waits:
     """:func:`acquire` once its waiter is registered: take or queue, then wait."""
     name = waiting.name
@@ -548,7 +548,7 @@ def acquired_without_store(state: PermitState, key: str, timeout: float | None) 
 
 
 def wait_for(
-    state: PermitState, key: str, pkey: bytes, waiting: Waiting, hint: int, deadline: int | None
+    state: PermitState, key: str, pkey: bytes, waiting: WaitHandle, hint: int, deadline: int | None
 ) -> Flow[tuple[Held, int]]:
     """The wait of a queued waiter (``waiting``: its handle; ``hint``: µs until a slot
     is sure to be its): it sleeps until then, its timeout's end, or a wake-up (a grant told, or
@@ -1062,7 +1062,7 @@ def acquired_all(
     parts: Sequence[Part],
     permit_parts: Sequence[PermitPart],
     timeout: int | None,
-    waitings: Sequence[Waiting],
+    waitings: Sequence[WaitHandle],
 ) -> Waits:
     """:func:`acquire_all` once its waiters are registered (one per permit)."""
     names = [waiting.name for waiting in waitings]

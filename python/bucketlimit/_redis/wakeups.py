@@ -128,7 +128,7 @@ class Waiter:
         return woken
 
 
-class Waiting:
+class WaitHandle:
     """One waiting call's handle, for the drivers (a ``Wait`` step's ``handle``): its
     waiter, registered with the limiter's wake-ups now (before the call's first
     command, so a wake-up sent once it is queued finds it) until :meth:`close`.
