@@ -166,6 +166,8 @@ _CLUSTER_REPLIES: Final = ("MOVED ", "ASK ", "CROSSSLOT ")
 _TOO_OLD_REPLIES: Final = ("unknown command", "unknown subcommand")
 # An ACL forbidding a command or a key the script uses (Redis 7, Valkey).
 _SCRIPT_DENIED: Final = "The user executing the script can't"
+# A store that runs no Lua: Valkey 9 with its Lua engine (a module) unloaded.
+_NO_SCRIPTING: Final = ("ERR Could not find scripting engine", "Could not find scripting engine")
 # What redis-py's cluster clients say, as a RedisClusterException, when no node
 # answers or the nodes they reached do not cover the slots: the store is down.
 CLUSTER_OUTAGES: Final = (
@@ -232,8 +234,8 @@ def classify(error: BaseException) -> str:
         # EVALSHA renamed away, or Redis < 5 refusing writes after TIME in a script.
         if reply.startswith(_TOO_OLD_REPLIES) or "non deterministic" in reply:
             return CONFIG
-        if reply.startswith(_SCRIPT_DENIED):
-            return CONFIG  # an ACL forbids a command or key the script uses
+        if reply.startswith(_SCRIPT_DENIED) or reply.startswith(_NO_SCRIPTING):
+            return CONFIG  # an ACL forbids a command or key the script uses; no Lua
     return OTHER
 
 
@@ -255,6 +257,12 @@ def configuration_error(error: BaseException) -> ConfigurationError:
         )
     elif isinstance(error, InvalidResponse):
         hint = "the server at this address does not speak the Redis protocol"
+    elif str(error).startswith(_NO_SCRIPTING):
+        hint = (
+            "this store runs no Lua scripts, which bucketlimit's Redis limiters need: "
+            "load its Lua engine (Valkey 9: `loadmodule` the lua module, or MODULE LOAD), "
+            "or use a store that runs EVAL and EVALSHA"
+        )
     else:
         hint = f"the script needs Redis {MIN_VERSION_TEXT} or later, with EVALSHA and EVAL"
     return ConfigurationError(
