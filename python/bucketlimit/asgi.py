@@ -38,11 +38,10 @@ from typing import Any, Generic, TypeVar, cast
 from bucketlimit import _config
 from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError
 from bucketlimit._web.fields import RETRY_AFTER, Refusal
 from bucketlimit._web.limits import (
-    ConfigurationError,
     Headers,
-    KeyFunctionError,
     LimitSettings,
     RefusalHook,
     RequestLimits,

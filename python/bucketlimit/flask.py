@@ -60,6 +60,7 @@ from bucketlimit import _config
 from bucketlimit._core import Decision
 from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError
 from bucketlimit._web.fields import RETRY_AFTER, Refusal
 from bucketlimit._web.limiters import (
     AnyLimiter,
@@ -68,10 +69,8 @@ from bucketlimit._web.limiters import (
     is_async_limiter,
 )
 from bucketlimit._web.limits import (
-    ConfigurationError,
     Headers,
     KeyFunc,
-    KeyFunctionError,
     LimitSettings,
     PlanFunc,
     RefusalHook,

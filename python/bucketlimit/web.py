@@ -31,6 +31,7 @@ from bucketlimit._web.addresses import (
     forwarded_client,
     subnet_key,
 )
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError, LimitStringError
 from bucketlimit._web.fields import (
     CONCURRENT_REQUESTS,
     COST_ABOVE_CAPACITY,
@@ -63,14 +64,11 @@ from bucketlimit._web.limiters import (
 )
 from bucketlimit._web.limits import (
     Concurrency,
-    ConfigurationError,
     CostFunc,
     ExemptFunc,
     Headers,
     KeyFunc,
-    KeyFunctionError,
     LimitSettings,
-    LimitStringError,
     Plan,
     PlanFunc,
     RefusalHook,

@@ -18,10 +18,11 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, cast
 
-from bucketlimit import _config, _errors
+from bucketlimit import _config
 from bucketlimit._core import ConcurrencyLimiter, Decision
 from bucketlimit._web import profiles
 from bucketlimit._web.buckets import LimitString
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError, LimitStringError
 from bucketlimit._web.fields import (
     Applied,
     Refusal,
@@ -45,24 +46,6 @@ from bucketlimit._web.reservations import AsyncReservation, Reservation
 from bucketlimit._web.waiting import ClientDisconnected, Waiting
 
 logger = logging.getLogger("bucketlimit")
-
-
-class ConfigurationError(_errors.ConfigurationError, RuntimeError):
-    """The app configured a limit in a way that cannot work (raised while serving).
-
-    A :class:`bucketlimit.ConfigurationError`, and a ``RuntimeError`` as it always was.
-    """
-
-
-class KeyFunctionError(ConfigurationError):
-    """A key function returned no key: that would put every such request in one bucket."""
-
-
-class LimitStringError(ValueError, TypeError):
-    """A ``str`` given as a limit's limiter that is no limit string: a wrong value
-    for a limit string (``ValueError``) and, as it always was, not a limiter
-    (``TypeError``)."""
-
 
 R = TypeVar("R")  # the framework's request type
 T = TypeVar("T")
