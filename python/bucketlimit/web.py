@@ -43,6 +43,7 @@ from bucketlimit._web.fields import (
     RETRY_AFTER,
     Applied,
     Refusal,
+    RefusalHook,
     concurrency_decision,
     describe_limit,
     effective_window,
@@ -71,8 +72,6 @@ from bucketlimit._web.limits import (
     LimitSettings,
     Plan,
     PlanFunc,
-    RefusalHook,
-    RequestLimits,
     live_limits,
     run,
     run_async,
@@ -86,6 +85,7 @@ from bucketlimit._web.profiles import (
     openai_fields,
     openai_refusal_headers,
 )
+from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
 from bucketlimit._web.startup import StoreCheckError, check_stores, check_stores_async
 from bucketlimit._web.waiting import ClientDisconnected

@@ -21,7 +21,8 @@ from bucketlimit._web.fields import (
     retry_after_seconds,
     window_seconds,
 )
-from bucketlimit._web.limits import LimitSettings, RequestLimits
+from bucketlimit._web.limits import LimitSettings
+from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
 from bucketlimit.testing import ManualClock
 from tests.web.problem import assert_problem

@@ -21,7 +21,8 @@ from bucketlimit._web.startup import check_now, unchecked
 from bucketlimit._web.waiting import ClientDisconnected, permit_waiting, token_waiting
 
 if TYPE_CHECKING:
-    from bucketlimit._web.limits import LimitSettings, RequestLimits
+    from bucketlimit._web.limits import LimitSettings
+    from bucketlimit._web.request_limits import RequestLimits
 
 R = TypeVar("R")  # the framework's request type
 H = TypeVar("H", Reservation, AsyncReservation)  # the adapter's kind of reservation
