@@ -65,7 +65,8 @@ from bucketlimit._web.limiters import (
     is_async_limiter,
     is_concurrency_limiter,
 )
-from bucketlimit._web.limits import LimitSettings, run, run_async
+from bucketlimit._web.limits import LimitSettings
+from bucketlimit._web.procedure import run, run_async
 from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
 from bucketlimit._web.startup import StoreCheckError, check_stores

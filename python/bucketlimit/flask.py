@@ -68,7 +68,8 @@ from bucketlimit._web.limiters import (
     SyncLimiter,
     is_async_limiter,
 )
-from bucketlimit._web.limits import Headers, KeyFunc, LimitSettings, PlanFunc, live_limits, run
+from bucketlimit._web.limits import Headers, KeyFunc, LimitSettings, PlanFunc, live_limits
+from bucketlimit._web.procedure import run
 from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve
 from bucketlimit._web.startup import StoreCheckError, check_stores

@@ -73,10 +73,9 @@ from bucketlimit._web.limits import (
     Plan,
     PlanFunc,
     live_limits,
-    run,
-    run_async,
     watch_limits,
 )
+from bucketlimit._web.procedure import run, run_async
 from bucketlimit._web.profiles import (
     PROFILES,
     go_duration,

@@ -1,13 +1,12 @@
-"""One limit's settings, counters and shadow logging (``LimitSettings``), every
-limit alive in the process (``live_limits``, ``watch_limits``), and the two drivers
-of the request procedure (``run``, ``run_async``), which is in
+"""One limit's settings, counters and shadow logging (``LimitSettings``), and every
+limit alive in the process (``live_limits``, ``watch_limits``). The procedure that
+applies a limit to a request, and its drivers, are in
 :mod:`bucketlimit._web.procedure`; the limits applied to one request are in
 :mod:`bucketlimit._web.request_limits`."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import secrets
 import threading
@@ -27,14 +26,11 @@ from bucketlimit._web.limiters import (
     is_concurrency_limiter,
     is_limiter,
 )
-from bucketlimit._web.procedure import H, Procedure, apply_limit, apply_limits
-from bucketlimit._web.request_limits import RequestLimits
-from bucketlimit._web.waiting import ClientDisconnected, Waiting
+from bucketlimit._web.procedure import H, Procedure, RequestLimitsLike, apply_limit, apply_limits
 
 logger = logging.getLogger("bucketlimit")
 
 R = TypeVar("R")  # the framework's request type
-T = TypeVar("T")
 
 #: A key function: the request's bucket key (or an awaitable of it, in an async app).
 KeyFunc = Callable[[R], "str | Awaitable[str]"]
@@ -517,14 +513,14 @@ class LimitSettings(Generic[R]):
     def procedure(
         self,
         request: R,
-        limits_of: Callable[[], RequestLimits],
+        limits_of: Callable[[], RequestLimitsLike],
         describe: Callable[[R], str],
         hold: Callable[[AnyLimiter, str, int, Decision], H],
     ) -> Procedure[tuple[H | None, bool]]:
         """Applies this limit to ``request``: the one procedure of every adapter,
         :func:`bucketlimit._web.procedure.apply_limit` (which says what it yields and
-        returns), driven by :func:`run` or :func:`run_async`; a limit of several
-        (:attr:`parts`) applies each in order (:func:`apply_limits`)."""
+        returns), driven by its ``run`` or ``run_async``; a limit of several
+        (:attr:`parts`) applies each in order (``apply_limits``)."""
         if self.parts:
             return apply_limits(self.parts, request, limits_of, describe, hold)
         return apply_limit(self, request, limits_of, describe, hold)
@@ -550,65 +546,3 @@ class LimitSettings(Generic[R]):
             retry_after_seconds(decision),
         )
         return False
-
-
-# Answers that are never awaitable: checked first, as inspect.isawaitable is slow.
-_PLAIN = frozenset({str, int, bool, type(None), Decision, tuple})
-
-
-async def run_async(
-    procedure: Procedure[T], disconnected: Callable[[], Awaitable[object]] | None = None
-) -> T:
-    """Drives a procedure for an asyncio framework: each step is called, and awaited
-    when it answers with an awaitable (an ``async def`` key function, the asyncio
-    Redis limiter); a :class:`Waiting` step waits with its asynchronous twin, and
-    when ``disconnected()`` (an awaitable that ends when the client goes away) ends
-    first, the wait is cancelled, its tokens and the request's other charges are
-    given back, and :class:`ClientDisconnected` is raised."""
-    return await _drive(procedure, waits_async=True, disconnected=disconnected)
-
-
-def run(procedure: Procedure[T]) -> T:
-    """Drives a procedure for a synchronous framework: the same loop, run to its end
-    at once without an event loop (an ``async def`` function must finish without
-    suspending); a :class:`Waiting` step is called as it is (the thread sleeps; a
-    WSGI server cannot tell that the client left)."""
-    coroutine = _drive(procedure, waits_async=False)
-    try:
-        coroutine.send(None)
-    except StopIteration as done:
-        return cast(T, done.value)
-    coroutine.close()
-    raise ConfigurationError(
-        "a key, cost or exempt function of a synchronous framework's limit waited on "
-        "something asynchronous; use a plain function there"
-    )
-
-
-async def _drive(
-    procedure: Procedure[T],
-    *,
-    waits_async: bool,
-    disconnected: Callable[[], Awaitable[object]] | None = None,
-) -> T:
-    """The one loop of both drivers."""
-    answer = None
-    gone: ClientDisconnected | None = None
-    while True:
-        try:
-            if gone is None:
-                function, args = procedure.send(answer)
-            else:  # the procedure gives back what the request held, then re-raises
-                function, args = procedure.throw(gone)
-                gone = None
-        except StopIteration as done:
-            return cast(T, done.value)
-        if waits_async and function.__class__ is Waiting:
-            try:
-                answer = await function.asynchronous(*args, disconnected)
-            except ClientDisconnected as error:
-                gone = error
-            continue
-        answer = function(*args)
-        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
-            answer = await answer
