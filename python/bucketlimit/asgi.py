@@ -38,17 +38,11 @@ from typing import Any, Generic, TypeVar, cast
 from bucketlimit import _config
 from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import RETRY_AFTER, Refusal
-from bucketlimit._web.limits import (
-    ConfigurationError,
-    Headers,
-    KeyFunctionError,
-    LimitSettings,
-    RefusalHook,
-    RequestLimits,
-    live_limits,
-    run_async,
-)
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError
+from bucketlimit._web.fields import RETRY_AFTER, Refusal, RefusalHook
+from bucketlimit._web.limits import Headers, LimitSettings, live_limits
+from bucketlimit._web.procedure import run_async
+from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, reserve_async
 from bucketlimit._web.startup import StoreCheckError, check_stores_async
 from bucketlimit._web.waiting import ClientDisconnected

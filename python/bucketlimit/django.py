@@ -56,7 +56,8 @@ from bucketlimit._core import Decision
 from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
 from bucketlimit._web.buckets import qualified_name
-from bucketlimit._web.fields import RETRY_AFTER, Refusal, retry_after_seconds
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError
+from bucketlimit._web.fields import RETRY_AFTER, Refusal, RefusalHook, retry_after_seconds
 from bucketlimit._web.limiters import (
     AnyLimiter,
     ConcurrencyLimiterLike,
@@ -64,15 +65,9 @@ from bucketlimit._web.limiters import (
     is_async_limiter,
     is_concurrency_limiter,
 )
-from bucketlimit._web.limits import (
-    ConfigurationError,
-    KeyFunctionError,
-    LimitSettings,
-    RefusalHook,
-    RequestLimits,
-    run,
-    run_async,
-)
+from bucketlimit._web.limits import LimitSettings
+from bucketlimit._web.procedure import run, run_async
+from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
 from bucketlimit._web.startup import StoreCheckError, check_stores
 from bucketlimit._web.streams import AsyncStreamedBody, StreamedBody

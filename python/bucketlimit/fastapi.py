@@ -48,12 +48,8 @@ from starlette.routing import Match
 
 from bucketlimit._core import Decision
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import RETRY_AFTER, Refusal
-from bucketlimit._web.limits import (
-    ConfigurationError,
-    KeyFunctionError,
-    RefusalHook,
-)
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError
+from bucketlimit._web.fields import RETRY_AFTER, Refusal, RefusalHook
 from bucketlimit._web.profiles import RETRY_AFTER_MS
 from bucketlimit._web.reservations import AsyncReservation, reserve_async
 from bucketlimit._web.startup import StoreCheckError

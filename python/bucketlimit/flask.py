@@ -60,25 +60,17 @@ from bucketlimit import _config
 from bucketlimit._core import Decision
 from bucketlimit._web import profiles
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.fields import RETRY_AFTER, Refusal
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError
+from bucketlimit._web.fields import RETRY_AFTER, Refusal, RefusalHook
 from bucketlimit._web.limiters import (
     AnyLimiter,
     ConcurrencyLimiterLike,
     SyncLimiter,
     is_async_limiter,
 )
-from bucketlimit._web.limits import (
-    ConfigurationError,
-    Headers,
-    KeyFunc,
-    KeyFunctionError,
-    LimitSettings,
-    PlanFunc,
-    RefusalHook,
-    RequestLimits,
-    live_limits,
-    run,
-)
+from bucketlimit._web.limits import Headers, KeyFunc, LimitSettings, PlanFunc, live_limits
+from bucketlimit._web.procedure import run
+from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve
 from bucketlimit._web.startup import StoreCheckError, check_stores
 from bucketlimit._web.streams import StreamedBody

@@ -34,7 +34,7 @@ from litestar.connection import ASGIConnection
 from litestar.middleware import DefineMiddleware
 
 from bucketlimit._web.addresses import Network, client_address_key
-from bucketlimit._web.limits import ConfigurationError, KeyFunctionError
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError
 from bucketlimit._web.reservations import AsyncReservation, reserve_async
 from bucketlimit._web.startup import StoreCheckError
 from bucketlimit._web.waiting import ClientDisconnected

@@ -31,6 +31,7 @@ from bucketlimit._web.addresses import (
     forwarded_client,
     subnet_key,
 )
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError, LimitStringError
 from bucketlimit._web.fields import (
     CONCURRENT_REQUESTS,
     COST_ABOVE_CAPACITY,
@@ -42,6 +43,7 @@ from bucketlimit._web.fields import (
     RETRY_AFTER,
     Applied,
     Refusal,
+    RefusalHook,
     concurrency_decision,
     describe_limit,
     effective_window,
@@ -63,23 +65,17 @@ from bucketlimit._web.limiters import (
 )
 from bucketlimit._web.limits import (
     Concurrency,
-    ConfigurationError,
     CostFunc,
     ExemptFunc,
     Headers,
     KeyFunc,
-    KeyFunctionError,
     LimitSettings,
-    LimitStringError,
     Plan,
     PlanFunc,
-    RefusalHook,
-    RequestLimits,
     live_limits,
-    run,
-    run_async,
     watch_limits,
 )
+from bucketlimit._web.procedure import run, run_async
 from bucketlimit._web.profiles import (
     PROFILES,
     go_duration,
@@ -88,6 +84,7 @@ from bucketlimit._web.profiles import (
     openai_fields,
     openai_refusal_headers,
 )
+from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
 from bucketlimit._web.startup import StoreCheckError, check_stores, check_stores_async
 from bucketlimit._web.waiting import ClientDisconnected

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from bucketlimit import Decision, TokenBucketLimiter
 from bucketlimit._web.addresses import TrustedProxies, forwarded_client
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError
 from bucketlimit._web.fields import (
     Applied,
     ratelimit_fields,
@@ -20,12 +21,8 @@ from bucketlimit._web.fields import (
     retry_after_seconds,
     window_seconds,
 )
-from bucketlimit._web.limits import (
-    ConfigurationError,
-    KeyFunctionError,
-    LimitSettings,
-    RequestLimits,
-)
+from bucketlimit._web.limits import LimitSettings
+from bucketlimit._web.request_limits import RequestLimits
 from bucketlimit._web.reservations import AsyncReservation, Reservation, reserve, reserve_async
 from bucketlimit.testing import ManualClock
 from tests.web.problem import assert_problem

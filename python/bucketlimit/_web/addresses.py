@@ -7,7 +7,7 @@ import ipaddress
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from bucketlimit._web.limits import KeyFunctionError
+from bucketlimit._web.errors import KeyFunctionError
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address

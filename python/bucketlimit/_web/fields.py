@@ -9,7 +9,7 @@ import functools
 import hashlib
 import hmac
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -311,3 +311,8 @@ class Refusal:
 
     def __str__(self) -> str:
         return self.limit or f"refused with {self.status}"
+
+
+#: ``on_refusal(request, refusal)``: the response to send for a refusal instead of the
+#: default one (the framework's response; in async adapters it may be ``async def``).
+RefusalHook = Callable[[Any, Refusal], Any]

@@ -1,71 +1,36 @@
-"""One limit's settings, counters and shadow logging (``LimitSettings``), the
-limits applied to one request (``RequestLimits``: several limits on one route
-become one field with several members, never repeated fields), and the two
-drivers of the request procedure (``run``, ``run_async``), which is in
-:mod:`bucketlimit._web.procedure`."""
+"""One limit's settings, counters and shadow logging (``LimitSettings``), and every
+limit alive in the process (``live_limits``, ``watch_limits``). The procedure that
+applies a limit to a request, and its drivers, are in
+:mod:`bucketlimit._web.procedure`; the limits applied to one request are in
+:mod:`bucketlimit._web.request_limits`."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-import math
 import secrets
 import threading
-import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, cast
 
-from bucketlimit import _config, _errors
+from bucketlimit import _config
 from bucketlimit._core import ConcurrencyLimiter, Decision
 from bucketlimit._web import profiles
 from bucketlimit._web.buckets import LimitString
-from bucketlimit._web.fields import (
-    Applied,
-    Refusal,
-    describe_limit,
-    partition_key,
-    ratelimit_fields,
-    refusal_body,
-    refusal_headers,
-    refusal_status,
-    retry_after_seconds,
-    window_seconds,
-)
+from bucketlimit._web.errors import ConfigurationError, KeyFunctionError, LimitStringError
+from bucketlimit._web.fields import RefusalHook, partition_key, retry_after_seconds, window_seconds
 from bucketlimit._web.limiters import (
     AnyLimiter,
     ConcurrencyLimiterLike,
     is_concurrency_limiter,
     is_limiter,
 )
-from bucketlimit._web.procedure import H, Procedure, apply_limit, apply_limits
-from bucketlimit._web.reservations import AsyncReservation, Reservation
-from bucketlimit._web.waiting import ClientDisconnected, Waiting
+from bucketlimit._web.procedure import H, Procedure, RequestLimitsLike, apply_limit, apply_limits
 
 logger = logging.getLogger("bucketlimit")
 
-
-class ConfigurationError(_errors.ConfigurationError, RuntimeError):
-    """The app configured a limit in a way that cannot work (raised while serving).
-
-    A :class:`bucketlimit.ConfigurationError`, and a ``RuntimeError`` as it always was.
-    """
-
-
-class KeyFunctionError(ConfigurationError):
-    """A key function returned no key: that would put every such request in one bucket."""
-
-
-class LimitStringError(ValueError, TypeError):
-    """A ``str`` given as a limit's limiter that is no limit string: a wrong value
-    for a limit string (``ValueError``) and, as it always was, not a limiter
-    (``TypeError``)."""
-
-
 R = TypeVar("R")  # the framework's request type
-T = TypeVar("T")
 
 #: A key function: the request's bucket key (or an awaitable of it, in an async app).
 KeyFunc = Callable[[R], "str | Awaitable[str]"]
@@ -78,9 +43,6 @@ ExemptFunc = Callable[[R], "bool | Awaitable[bool]"]
 Plan = AnyLimiter | tuple[str, AnyLimiter]
 #: A function of the request choosing the limiter (per plan, per API key).
 PlanFunc = Callable[[R], "Plan | Awaitable[Plan]"]
-#: ``on_refusal(request, refusal)``: the response to send for a refusal instead of the
-#: default one (the framework's response; in async adapters it may be ``async def``).
-RefusalHook = Callable[[Any, Refusal], Any]
 #: ``headers=``: a profile (``"draft-11"``, ``"legacy"``, ``"openai"``) or a list.
 Headers = str | Sequence[str]
 #: ``concurrency=``: at most N requests in flight per key (an in-process
@@ -551,14 +513,14 @@ class LimitSettings(Generic[R]):
     def procedure(
         self,
         request: R,
-        limits_of: Callable[[], RequestLimits],
+        limits_of: Callable[[], RequestLimitsLike],
         describe: Callable[[R], str],
         hold: Callable[[AnyLimiter, str, int, Decision], H],
     ) -> Procedure[tuple[H | None, bool]]:
         """Applies this limit to ``request``: the one procedure of every adapter,
         :func:`bucketlimit._web.procedure.apply_limit` (which says what it yields and
-        returns), driven by :func:`run` or :func:`run_async`; a limit of several
-        (:attr:`parts`) applies each in order (:func:`apply_limits`)."""
+        returns), driven by its ``run`` or ``run_async``; a limit of several
+        (:attr:`parts`) applies each in order (``apply_limits``)."""
         if self.parts:
             return apply_limits(self.parts, request, limits_of, describe, hold)
         return apply_limit(self, request, limits_of, describe, hold)
@@ -584,284 +546,3 @@ class LimitSettings(Generic[R]):
             retry_after_seconds(decision),
         )
         return False
-
-
-@dataclass
-class _Entry:
-    owner: object
-    applied: Applied  # the member that decided (the refusing one of a refusal)
-    reservation: Reservation | AsyncReservation
-    headers: tuple[str, ...] | None = None
-    before: tuple[Applied, ...] = ()  # the limit's other members (its concurrency)
-
-    @property
-    def members(self) -> tuple[Applied, ...]:
-        return (*self.before, self.applied)
-
-
-#: A permit is renewed after this share of its ttl while its response goes on.
-RENEW_AFTER = 1 / 3
-
-
-class RequestLimits:
-    """The limits applied to one request, in order; the one writer of its fields;
-    the holder of its permits until the response ends.
-
-    ``headers`` (the header profiles of limits that name none), ``on_refusal``
-    (the refusal hook of limits that have none), ``check_store`` (``False``: no
-    limit asks its store before it first decides) and ``storage`` (where a limit
-    string that names none keeps its buckets) are the app's, set by the adapter
-    (Flask's extension, the ASGI middleware, Django's settings).
-
-    The permits of its limits (``concurrency=``) are released by :meth:`close`,
-    which each adapter calls once the response has ended (its last body chunk sent,
-    the client gone, or the handler failed); :meth:`keep_alive`, called as a
-    streamed body goes out, renews them so that a response longer than their
-    ``ttl`` keeps its slot.
-    """
-
-    __slots__ = (
-        "_renew_at",
-        "_ttl",
-        "checks_store",
-        "closing",
-        "entries",
-        "headers",
-        "on_refusal",
-        "permits",
-        "storage",
-    )
-
-    def __init__(
-        self,
-        headers: tuple[str, ...] | None = None,
-        on_refusal: RefusalHook | None = None,
-        check_store: bool = True,
-        storage: str | None = None,
-    ) -> None:
-        self.entries: list[_Entry] = []
-        self.headers = profiles.DEFAULT if headers is None else headers
-        self.on_refusal = on_refusal
-        self.checks_store = check_store
-        self.storage = storage
-        #: The permits the request holds, until :meth:`close`.
-        self.permits: list[Any] = []
-        #: Whether an adapter has arranged for :meth:`close` at the end of a streamed
-        #: response (so that nothing else closes it sooner).
-        self.closing = False
-        self._ttl = math.inf  # the shortest ttl of the permits held
-        self._renew_at = math.inf  # time.monotonic() of their next renewal
-
-    def hold(self, permit: Any, ttl: float | None) -> None:
-        """Keeps ``permit`` (granted) until :meth:`close`; ``ttl`` (its limiter's, or
-        ``None``) paces :meth:`keep_alive`."""
-        self.permits.append(permit)
-        if ttl is not None and ttl < self._ttl:
-            self._ttl = ttl
-            self._renew_at = min(self._renew_at, time.monotonic() + ttl * RENEW_AFTER)
-
-    def close(self) -> Awaitable[None] | None:
-        """Releases every permit the request holds, each once (a permit's ``release``
-        frees nothing the second time, so an early ``reservation.release()`` is
-        safe). Returns an awaitable to await when a release was a coroutine (an
-        asyncio Redis limiter's), else ``None``. A release that fails is logged: the
-        permit then frees at its expiry."""
-        if not self.permits:
-            return None
-        permits, self.permits = self.permits, []
-        self._renew_at = math.inf
-        return _each(permits, "release")
-
-    def keep_alive(self) -> Awaitable[None] | None:
-        """Renews the permits once a third of their ttl has passed since they were
-        taken or last renewed (cheap to call at every chunk of a streamed body).
-        Returns an awaitable to await when a renewal was a coroutine."""
-        if not self.permits or time.monotonic() < self._renew_at:
-            return None
-        self._renew_at = time.monotonic() + self._ttl * RENEW_AFTER
-        return _each(self.permits, "renew")
-
-    def find(self, owner: object) -> Reservation | AsyncReservation | None:
-        """The reservation ``owner`` already made for this request (a limit applies once)."""
-        for entry in self.entries:
-            if entry.owner is owner:
-                return entry.reservation
-        return None
-
-    def add(
-        self,
-        owner: object,
-        applied: Applied,
-        reservation: Reservation | AsyncReservation,
-        headers: tuple[str, ...] | None = None,
-        before: tuple[Applied, ...] = (),
-    ) -> None:
-        """Records ``owner``'s answer: ``applied`` is the member that decided,
-        ``before`` the limit's other members (its concurrency policy's)."""
-        names = {a.name for e in self.entries for a in e.members}
-        for member in (*before, applied):
-            if member.name in names:
-                raise ConfigurationError(
-                    f"two limits named {member.name!r} apply to one request; each limit on "
-                    "a route needs its own name= (they are reported as one RateLimit "
-                    "field with one member per name)"
-                )
-        self.entries.append(_Entry(owner, applied, reservation, headers, before))
-
-    def others(self, owner: object) -> list[Reservation | AsyncReservation]:
-        """Every reservation but ``owner``'s: refunded when ``owner`` refuses."""
-        return [e.reservation for e in self.entries if e.owner is not owner]
-
-    def _profile(self, entry: _Entry) -> tuple[str, ...]:
-        return self.headers if entry.headers is None else entry.headers
-
-    def fields(self, refused: bool = False) -> dict[str, str]:
-        """The rate-limit fields of every limit, by each one's header profile:
-        draft-11's two fields (one member per limit), one limit's ``X-RateLimit-*``
-        (legacy), each limit's ``x-ratelimit-*-<name>`` (openai)."""
-        entries = self.entries
-        if all(e.headers is None for e in entries) and self.headers is profiles.DEFAULT:
-            return ratelimit_fields([a for e in entries for a in e.members])  # the common case
-        draft: list[Applied] = []
-        legacy: list[Applied] = []
-        openai: dict[str, str] = {}
-        for entry in entries:
-            profile = self._profile(entry)
-            members = entry.members
-            if profiles.DRAFT11 in profile:
-                draft += members
-            if profiles.LEGACY in profile:
-                legacy += members
-            if profiles.OPENAI in profile:
-                for member in members:
-                    openai.update(profiles.openai_fields(member))
-        return {
-            **ratelimit_fields(draft),
-            **profiles.legacy_fields(
-                legacy, refused and bool(legacy) and legacy[-1] is entries[-1].applied
-            ),
-            **openai,
-        }
-
-    def refusal(self) -> Refusal:
-        """How to answer the refusal of the last limit applied (the one that refused):
-        its status (429, or 413/403 when it can never pass), the fields of every
-        limit with ``Retry-After`` and ``Content-Type``, and the body: the problem
-        document, or OpenAI's error object under the ``openai`` profile."""
-        entry = self.entries[-1]
-        applied = entry.applied
-        headers = {**self.fields(refused=True), **refusal_headers(applied.decision)}
-        if profiles.OPENAI in self._profile(entry):
-            headers.update(profiles.openai_refusal_headers(applied))
-            body = profiles.openai_body(applied)
-        else:
-            body = refusal_body(applied)
-        status = refusal_status(applied)
-        return Refusal(status, headers, body, applied.decision, describe_limit(applied))
-
-    def refusal_hook(self) -> RefusalHook | None:
-        """The ``on_refusal`` of the refusing limit, else the app's, else ``None``."""
-        owner = self.entries[-1].owner
-        hook = getattr(owner, "on_refusal", None)
-        return self.on_refusal if hook is None else cast(RefusalHook, hook)
-
-    def reservation(self, name: str | None) -> Reservation | AsyncReservation:
-        """The reservation of the limit called ``name`` (``None``: the only one)."""
-        if name is not None:
-            for entry in self.entries:
-                if any(member.name == name for member in entry.members):
-                    return entry.reservation
-            raise LookupError(f"no limit named {name!r} applied to this request")
-        if len(self.entries) == 1:
-            return self.entries[0].reservation
-        if not self.entries:
-            raise LookupError("no limit applied to this request")
-        names = [e.applied.name for e in self.entries]
-        raise LookupError(f"several limits apply to this request; name one of {names!r}")
-
-
-def _each(permits: list[Any], method: str) -> Awaitable[None] | None:
-    """Calls ``release`` or ``renew`` on every permit; an awaitable of the answers
-    that are coroutines (``None`` when there are none). A failure is logged, not
-    raised: a response that ends must not fail because a store did not answer."""
-    pending: list[Awaitable[Any]] = []
-    for permit in permits:
-        try:
-            answer = getattr(permit, method)()
-        except Exception:
-            failed = "%s() of %r failed; it frees at its expiry"
-            logger.warning(failed, method, permit, exc_info=True)
-            continue
-        if answer is not None and answer.__class__ is not bool and inspect.isawaitable(answer):
-            pending.append(answer)
-    return _awaiting(pending, method) if pending else None
-
-
-async def _awaiting(pending: list[Awaitable[Any]], method: str) -> None:
-    for answer in pending:
-        try:
-            await answer
-        except Exception:
-            logger.warning("%s() of a permit failed; it frees at its expiry", method, exc_info=True)
-
-
-# Answers that are never awaitable: checked first, as inspect.isawaitable is slow.
-_PLAIN = frozenset({str, int, bool, type(None), Decision, tuple})
-
-
-async def run_async(
-    procedure: Procedure[T], disconnected: Callable[[], Awaitable[object]] | None = None
-) -> T:
-    """Drives a procedure for an asyncio framework: each step is called, and awaited
-    when it answers with an awaitable (an ``async def`` key function, the asyncio
-    Redis limiter); a :class:`Waiting` step waits with its asynchronous twin, and
-    when ``disconnected()`` (an awaitable that ends when the client goes away) ends
-    first, the wait is cancelled, its tokens and the request's other charges are
-    given back, and :class:`ClientDisconnected` is raised."""
-    return await _drive(procedure, waits_async=True, disconnected=disconnected)
-
-
-def run(procedure: Procedure[T]) -> T:
-    """Drives a procedure for a synchronous framework: the same loop, run to its end
-    at once without an event loop (an ``async def`` function must finish without
-    suspending); a :class:`Waiting` step is called as it is (the thread sleeps; a
-    WSGI server cannot tell that the client left)."""
-    coroutine = _drive(procedure, waits_async=False)
-    try:
-        coroutine.send(None)
-    except StopIteration as done:
-        return cast(T, done.value)
-    coroutine.close()
-    raise ConfigurationError(
-        "a key, cost or exempt function of a synchronous framework's limit waited on "
-        "something asynchronous; use a plain function there"
-    )
-
-
-async def _drive(
-    procedure: Procedure[T],
-    *,
-    waits_async: bool,
-    disconnected: Callable[[], Awaitable[object]] | None = None,
-) -> T:
-    """The one loop of both drivers."""
-    answer = None
-    gone: ClientDisconnected | None = None
-    while True:
-        try:
-            if gone is None:
-                function, args = procedure.send(answer)
-            else:  # the procedure gives back what the request held, then re-raises
-                function, args = procedure.throw(gone)
-                gone = None
-        except StopIteration as done:
-            return cast(T, done.value)
-        if waits_async and function.__class__ is Waiting:
-            try:
-                answer = await function.asynchronous(*args, disconnected)
-            except ClientDisconnected as error:
-                gone = error
-            continue
-        answer = function(*args)
-        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
-            answer = await answer

@@ -1,29 +1,33 @@
 """How one limit applies to one request: :func:`apply_limit`, the one procedure of
-every adapter, written once as a generator of steps that the drivers (``run`` and
-``run_async`` in :mod:`bucketlimit._web.limits`) answer, in sync or asyncio code.
+every adapter, written once as a generator of steps, and its two drivers, which
+answer the steps in sync code (:func:`run`) or asyncio code (:func:`run_async`).
 
-It reads the limit's settings through ``LimitSettings``' public attributes, and
-writes what it decided into the request's ``RequestLimits``.
+The procedure reads a limit's settings and writes what it decided into the
+request's limits through two protocols, :class:`LimitSettingsLike` and
+:class:`RequestLimitsLike`, which name all it uses of them: ``LimitSettings``
+(:mod:`bucketlimit._web.limits`, which imports this module) and ``RequestLimits``
+(:mod:`bucketlimit._web.request_limits`) are theirs, and this module imports
+neither.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable, Generator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 from bucketlimit._core import Decision
 from bucketlimit._reservations import AsyncReservationLike, ReservationLike
+from bucketlimit._web.errors import ConfigurationError
 from bucketlimit._web.fields import Applied
 from bucketlimit._web.limiters import AnyLimiter, ConcurrencyLimiterLike, is_limiter
 from bucketlimit._web.reservations import AsyncReservation, Reservation
 from bucketlimit._web.startup import check_now, unchecked
-from bucketlimit._web.waiting import ClientDisconnected, permit_waiting, token_waiting
-
-if TYPE_CHECKING:
-    from bucketlimit._web.limits import LimitSettings, RequestLimits
+from bucketlimit._web.waiting import ClientDisconnected, Waiting, permit_waiting, token_waiting
 
 R = TypeVar("R")  # the framework's request type
+R_contra = TypeVar("R_contra", contravariant=True)
 H = TypeVar("H", Reservation, AsyncReservation)  # the adapter's kind of reservation
 T = TypeVar("T")
 
@@ -33,10 +37,65 @@ Step = tuple[Callable[..., Any], tuple[Any, ...]]
 Procedure = Generator[Step, Any, T]
 
 
+class LimitSettingsLike(Protocol[R_contra]):
+    """What the procedure reads and asks of one limit's settings (``LimitSettings``
+    has them all; mypy checks it). The limit is also its own entry's owner in the
+    request's limits."""
+
+    @property
+    def exempt(self) -> Callable[[R_contra], object] | None: ...
+    @property
+    def key(self) -> Callable[[R_contra], object]: ...
+    @property
+    def cost(self) -> int | Callable[[R_contra], object]: ...
+    @property
+    def limiter(self) -> AnyLimiter | Callable[[R_contra], object] | None: ...
+    @property
+    def concurrency(self) -> ConcurrencyLimiterLike | None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def concurrency_name(self) -> str: ...
+    @property
+    def max_wait(self) -> float: ...
+    @property
+    def headers(self) -> tuple[str, ...] | None: ...
+    @property
+    def checks_store(self) -> bool: ...
+    @property
+    def bound(self) -> bool: ...
+    def bind(self, storage: str | None) -> None: ...
+    def checked_key(self, key: object, where: object) -> str: ...
+    def chosen(self, plan: object) -> tuple[AnyLimiter, str]: ...
+    def partition_key(self, name: str, key: str) -> bytes | None: ...
+    def refuses(self, decision: Decision, key: str, cost: int, where: object) -> bool: ...
+
+
+class RequestLimitsLike(Protocol):
+    """What the procedure reads and writes of the limits applied to one request
+    (``RequestLimits`` has them all; mypy checks it)."""
+
+    @property
+    def storage(self) -> str | None: ...
+    @property
+    def checks_store(self) -> bool: ...
+    def find(self, owner: object) -> Reservation | AsyncReservation | None: ...
+    def add(
+        self,
+        owner: object,
+        applied: Applied,
+        reservation: Reservation | AsyncReservation,
+        headers: tuple[str, ...] | None = ...,
+        before: tuple[Applied, ...] = ...,
+    ) -> None: ...
+    def others(self, owner: object) -> Iterable[Reservation | AsyncReservation]: ...
+    def hold(self, permit: Any, ttl: float | None) -> None: ...
+
+
 def apply_limit(
-    limit: LimitSettings[R],
+    limit: LimitSettingsLike[R],
     request: R,
-    limits_of: Callable[[], RequestLimits],
+    limits_of: Callable[[], RequestLimitsLike],
     describe: Callable[[R], str],
     hold: Callable[[AnyLimiter, str, int, Decision], H],
 ) -> Procedure[tuple[H | None, bool]]:
@@ -44,8 +103,8 @@ def apply_limit(
 
     It yields each call whose answer may have to be awaited (the app's key, cost,
     exempt and plan functions, the limiter, the refunds) as ``(function, args)``,
-    to be sent the answer: Flask and Django's sync views drive it with ``run``, the
-    ASGI adapters with ``run_async``. ``limits_of()`` is the request's
+    to be sent the answer: Flask and Django's sync views drive it with :func:`run`,
+    the ASGI adapters with :func:`run_async`. ``limits_of()`` is the request's
     ``RequestLimits``, ``describe(request)`` says which request it is in logs and
     errors, ``hold`` makes the adapter's kind of reservation. Returns the
     reservation (``None`` when the request is exempt) and whether to refuse
@@ -129,9 +188,9 @@ def apply_limit(
 
 
 def apply_limits(
-    parts: Sequence[LimitSettings[R]],
+    parts: Sequence[LimitSettingsLike[R]],
     request: R,
-    limits_of: Callable[[], RequestLimits],
+    limits_of: Callable[[], RequestLimitsLike],
     describe: Callable[[R], str],
     hold: Callable[[AnyLimiter, str, int, Decision], H],
 ) -> Procedure[tuple[H | None, bool]]:
@@ -147,10 +206,10 @@ def apply_limits(
 
 
 def _take_permit(
-    limit: LimitSettings[Any],
+    limit: LimitSettingsLike[Any],
     concurrency: ConcurrencyLimiterLike,
     key: str,
-    limits: RequestLimits,
+    limits: RequestLimitsLike,
 ) -> Procedure[Any]:
     """The request's permit: ``try_acquire``, or with ``max_wait`` a wait for one in
     arrival order (its own procedure, so that a client that disconnects while it
@@ -200,3 +259,65 @@ class _Where:
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
+
+
+# Answers that are never awaitable: checked first, as inspect.isawaitable is slow.
+_PLAIN = frozenset({str, int, bool, type(None), Decision, tuple})
+
+
+async def run_async(
+    procedure: Procedure[T], disconnected: Callable[[], Awaitable[object]] | None = None
+) -> T:
+    """Drives a procedure for an asyncio framework: each step is called, and awaited
+    when it answers with an awaitable (an ``async def`` key function, the asyncio
+    Redis limiter); a :class:`Waiting` step waits with its asynchronous twin, and
+    when ``disconnected()`` (an awaitable that ends when the client goes away) ends
+    first, the wait is cancelled, its tokens and the request's other charges are
+    given back, and :class:`ClientDisconnected` is raised."""
+    return await _drive(procedure, waits_async=True, disconnected=disconnected)
+
+
+def run(procedure: Procedure[T]) -> T:
+    """Drives a procedure for a synchronous framework: the same loop, run to its end
+    at once without an event loop (an ``async def`` function must finish without
+    suspending); a :class:`Waiting` step is called as it is (the thread sleeps; a
+    WSGI server cannot tell that the client left)."""
+    coroutine = _drive(procedure, waits_async=False)
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return cast(T, done.value)
+    coroutine.close()
+    raise ConfigurationError(
+        "a key, cost or exempt function of a synchronous framework's limit waited on "
+        "something asynchronous; use a plain function there"
+    )
+
+
+async def _drive(
+    procedure: Procedure[T],
+    *,
+    waits_async: bool,
+    disconnected: Callable[[], Awaitable[object]] | None = None,
+) -> T:
+    """The one loop of both drivers."""
+    answer = None
+    gone: ClientDisconnected | None = None
+    while True:
+        try:
+            if gone is None:
+                function, args = procedure.send(answer)
+            else:  # the procedure gives back what the request held, then re-raises
+                function, args = procedure.throw(gone)
+                gone = None
+        except StopIteration as done:
+            return cast(T, done.value)
+        if waits_async and function.__class__ is Waiting:
+            try:
+                answer = await function.asynchronous(*args, disconnected)
+            except ClientDisconnected as error:
+                gone = error
+            continue
+        answer = function(*args)
+        if answer.__class__ not in _PLAIN and inspect.isawaitable(answer):
+            answer = await answer

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import Any
 
-from bucketlimit._web.limits import RequestLimits
+from bucketlimit._web.request_limits import RequestLimits
 
 
 class StreamedBody:
