@@ -39,12 +39,13 @@ from bucketlimit._redis.errors import (
     REDIRECTED,
     AskError,
     ClusterError,
+    MovedError,
     StoreUnavailableError,
     TryAgainError,
     classify,
     leased_bucket,
 )
-from bucketlimit._redis.flows import Allow, Command, Flow, Flowing, Outcome, ScriptCommand
+from bucketlimit._redis.flows import Allow, BatchCommand, Command, Flow, Flowing, Outcome
 from bucketlimit._redis.keys import key_slot
 from bucketlimit._redis.resilience import Breaker, fork_safe
 from bucketlimit._redis.script import MANY, NONE
@@ -107,13 +108,14 @@ def batch_command(state: LimiterState, group: Sequence[Pending]) -> Command:
         costs.pop()  # an absent cost is 1: the common batch sends 3 arguments
     keys = [command.keys[0] for command in commands]
     now = first.joins[1]
-    return ScriptCommand(state.own, keys, (NONE, MANY.value, now, *costs), whole=first.whole)
+    return BatchCommand(state.own, keys, (NONE, MANY.value, now, *costs), whole=first.whole)
 
 
 def splits(error: BaseException) -> bool:
     """A batch's error that is its keys' own, not the store's: a slot being migrated
-    (TRYAGAIN, ASK) or a redirection storm. Each allow is then sent alone."""
-    return isinstance(error, (*TryAgainError, *AskError)) or (
+    or moved (TRYAGAIN, ASK, MOVED: a batch goes to its node only) or a redirection
+    storm. Each allow is then sent alone, the client following its redirections."""
+    return isinstance(error, (*TryAgainError, *AskError, *MovedError)) or (
         isinstance(error, ClusterError) and classify(error) == REDIRECTED
     )
 

@@ -37,6 +37,7 @@ from bucketlimit._redis.errors import (
     ClusterError,
     MaxConnectionsError,
     MovedError,
+    SlotNotCoveredError,
     TryAgainError,
     classify,
 )
@@ -190,6 +191,10 @@ def send(state: Store, command: Command) -> Any:
             raise RuntimeError(state.closing())
         client = state.client if state.client is not None else state.connect()
         call = getattr(client, command.name)
+        if command.direct and state.cluster:
+            node = node_of(client, command)
+            if node is not None:
+                call = getattr(client.get_redis_connection(node), command.name)
         waited = 0.0
         while True:
             try:
@@ -213,8 +218,19 @@ async def send_async(state: Store, command: Command) -> Any:
         if state.closed:
             raise RuntimeError(state.closing())
         client = state.client if state.client is not None else state.connect()
+        call = getattr(client, command.name)
+        if command.direct and state.cluster:
+            node = node_of(client, command)
+            if node is None:  # it starts at its first command: now
+                try:
+                    await client.initialize()
+                except Exception:  # the send below meets it again and says what it is
+                    logger.debug("%s: the cluster client did not start", state.name)
+                node = node_of(client, command)
+            if node is not None:
+                call = node.execute_command
         try:
-            return await _sent_async(getattr(client, command.name), command.argv)
+            return await _sent_async(call, command.argv)
         except ClusterError as storm:
             if (
                 command.name != "execute_command"
@@ -244,6 +260,15 @@ async def _sent_async(call: Any, argv: tuple[Any, ...]) -> Any:
                 raise
             await asyncio.sleep(POOL_STEP)
             waited += POOL_STEP
+
+
+def node_of(client: Any, command: Command) -> Any:
+    """The node of ``command``'s (first) key in a cluster ``client``'s slot map, or
+    ``None`` while it has none (an asyncio client starts at its first command)."""
+    try:
+        return client.get_node_from_key(command.keys[0])
+    except SlotNotCoveredError:
+        return None
 
 
 def unstarted_node(client: Any, command: Command, refused: BaseException) -> Any:

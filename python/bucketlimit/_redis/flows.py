@@ -83,6 +83,9 @@ class Command:
     joins: tuple[int, Any] | None = None
     #: Sent whole (EVAL) rather than by EVALSHA.
     whole = False
+    #: On a cluster, sent to its key's node only: a MOVED, ASK or TRYAGAIN comes
+    #: back as the error, the client's own redirections not followed (a batch).
+    direct = False
 
     def __init__(self, name: str, argv: tuple[Any, ...], keys: Sequence[bytes] = ()) -> None:
         self.name = name
@@ -119,7 +122,15 @@ class ScriptCommand(Command):
         self.whole = whole
 
     def sent_whole(self) -> ScriptCommand:
-        return ScriptCommand(self.script, self.keys, self.args, joins=self.joins, whole=True)
+        return type(self)(self.script, self.keys, self.args, joins=self.joins, whole=True)
+
+
+class BatchCommand(ScriptCommand):
+    """A shared round trip's script (``batching``): sent to its slot's node only, so
+    that a slot being migrated answers it at once, and it is split."""
+
+    __slots__ = ()
+    direct = True
 
 
 class Handle(Protocol):
@@ -541,6 +552,7 @@ class Allow(Flowing):
     #: As a command: what the drivers send (the own form by EVALSHA, one key).
     name = "execute_command"
     whole = False
+    direct = False
 
     def __init__(self, state: LimiterState, key: str, cost: object) -> None:
         self._state = state
