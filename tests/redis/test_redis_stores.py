@@ -60,3 +60,23 @@ def test_a_store_without_lua_is_a_configuration_error_under_every_policy(
                 await alimiter.allow("k")
 
     asyncio.run(main())
+
+
+# -- an ACL without the wake-up channels ----------------------------------------------------
+
+
+def test_check_says_a_concurrency_limiter_needs_its_channels(
+    redis_server_factory: ServerFactory,
+) -> None:
+    # Before: an ACL without channels passed check(), and the first hand-off of a
+    # released slot raised ConfigurationError on the script's PUBLISH.
+    server = redis_server_factory.start()
+    with server.client() as admin:
+        admin.acl_setuser(
+            "nochannels", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"]
+        )
+    url = f"redis://nochannels:pw@127.0.0.1:{server.port}/0"
+    permits = RedisConcurrencyLimiter.from_url(url, 2, processes=1)
+    with pytest.raises(ConfigurationError, match=r"PUBLISH on its channels"):
+        permits.check()
+    RedisTokenBucketLimiter.from_url(url, 10, 1, processes=1).check()  # buckets need none

@@ -1113,13 +1113,14 @@ def check(state: LimiterState) -> Flow[None]:
     return check_store(state, ScriptCommand(state.own, [probe], own_args(state, PEEK, 1)))
 
 
-def check_store(state: Store, probe: ScriptCommand) -> Flow[None]:
+def check_store(state: Store, probe: ScriptCommand, *more: Command) -> Flow[None]:
     """What every limiter's ``check()`` does: ``probe`` (its script on a key nothing
     holds, writing nothing), then ``INFO server``, refusing a server older than 5.0
-    (an ACL forbidding INFO is ignored: the script ran, which is what counts); then
-    the process's first heartbeat, so that a limiter checked at start-up has its
-    processes counted from then on."""
-    commands = [probe, Command("info", ("server",))]
+    (an ACL forbidding INFO is ignored: the script ran, which is what counts), then
+    ``more`` (what else the limiter will need: a concurrency limiter's PUBLISH);
+    then the process's first heartbeat, so that a limiter checked at start-up has
+    its processes counted from then on."""
+    commands = [probe, Command("info", ("server",)), *more]
     sent = 0
     try:
         while commands:

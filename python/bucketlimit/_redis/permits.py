@@ -39,7 +39,9 @@ from typing import Any, Final
 from bucketlimit import _core
 from bucketlimit._core import ConcurrencyLimiter, Decision
 from bucketlimit._redis.clients import LazyClient
+from bucketlimit._redis.errors import ConfigurationError, NoPermissionError
 from bucketlimit._redis.flows import (
+    Command,
     Corrupt,
     Flow,
     Line,
@@ -739,8 +741,22 @@ def check(state: PermitState) -> Flow[None]:
     """``check()``: the script as a read of a key no permit has (nothing written),
     then ``INFO server`` (Redis 5.0 or later). Raises ``ConfigurationError`` for
     what no retry will fix and the client's error otherwise; the policy never
-    applies."""
-    return check_store(state, state.command(VALID, state.keys.probe(), member="0"))
+    applies. Then a PUBLISH on its wake-ups' channel (an empty message, which no
+    listener reads as a grant): the scripts that hand a slot on publish, and an ACL
+    without the channel would refuse them at the first hand-off."""
+    probe = state.command(VALID, state.keys.probe(), member="0")
+    publish = Command("publish", (state.wakeups.channel, ""))
+    try:
+        yield from check_store(state, probe, publish)
+    except ConfigurationError as refused:
+        cause = refused.__cause__
+        if not isinstance(cause, NoPermissionError) or "channel" not in str(cause).lower():
+            raise
+        raise ConfigurationError(
+            f"{refused}; a concurrency limiter's user also needs PUBLISH on its "
+            f"channels ({state.keys.prefix.decode()}{{bucketlimit-wake}}:*, an ACL "
+            "&pattern): a release hands its slot to the first waiter with a message"
+        ) from refused.__cause__
 
 
 # -- permits among token buckets (the *_all calls) -----------------------------------
