@@ -48,6 +48,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py::check_key, m)?)?;
     m.add_function(wrap_pyfunction!(py::check_cost, m)?)?;
     m.add_function(wrap_pyfunction!(py::check_charge, m)?)?;
+    m.add_function(wrap_pyfunction!(py::combine, m)?)?;
     m.add("MAX_KEY_BYTES", error::MAX_KEY_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -430,6 +430,31 @@ pub fn observation_cap(
     Ok(words.report(&config, 0).cap)
 }
 
+/// One decision for several, by the rule of `allow_all` (`registry::combine`):
+/// what a Redis `*_all` answers; degraded if any of them is.
+#[pyfunction]
+pub fn combine(decisions: &Bound<'_, PyAny>) -> PyResult<Decision> {
+    let decisions = decisions
+        .try_iter()?
+        .map(|item| {
+            let item = item?;
+            let decision = item.cast::<Decision>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "combine takes a sequence of Decision, got {}",
+                    crate::py_types::type_name(&item)
+                ))
+            })?;
+            Ok(decision.get().copy())
+        })
+        .collect::<PyResult<Vec<Decision>>>()?;
+    if decisions.is_empty() {
+        return Err(PyValueError::new_err(
+            "combine takes at least one Decision, got none",
+        ));
+    }
+    Ok(Decision::combined(&decisions))
+}
+
 /// Checks a cost as the limiter does (type, then value) and returns it.
 #[pyfunction]
 pub fn check_cost(cost: &Bound<'_, PyAny>, capacity: u64) -> PyResult<u64> {

@@ -23,7 +23,7 @@ use crate::clock;
 use crate::concurrency::{self, Answer, Woken};
 use crate::error::Error;
 use crate::rate::{Config, Number};
-use crate::registry::Registry;
+use crate::registry::{self, Combinable, Registry};
 
 impl From<Error> for PyErr {
     fn from(error: Error) -> PyErr {
@@ -325,6 +325,15 @@ impl Decision {
         self.allowed
     }
 
+    /// Several decisions as one, by the rule of `allow_all`; degraded if any is.
+    pub(crate) fn combined(decisions: &[Decision]) -> Decision {
+        let degraded = decisions.iter().any(|d| d.degraded);
+        Decision {
+            degraded,
+            ..registry::combine(decisions)
+        }
+    }
+
     fn fields(&self) -> (bool, f64, u64, f64, u64, bool) {
         (
             self.allowed,
@@ -334,6 +343,37 @@ impl Decision {
             self.limit,
             self.degraded,
         )
+    }
+}
+
+/// The binding's decisions follow the rule of `allow_all` too (`_core.combine`).
+impl Combinable for Decision {
+    type Wait = f64;
+    const NO_WAIT: f64 = 0.0;
+
+    fn allowed(&self) -> bool {
+        self.allowed
+    }
+
+    fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    fn retry_after(&self) -> f64 {
+        self.retry_after
+    }
+
+    /// Never NaN (checked when built): `inf`, never, is the longest.
+    fn longer(a: f64, b: f64) -> f64 {
+        a.max(b)
+    }
+
+    fn answering(&self, allowed: bool, retry_after: f64) -> Decision {
+        Decision {
+            allowed,
+            retry_after,
+            ..*self
+        }
     }
 }
 

@@ -25,6 +25,7 @@ __all__ = [
     "check_cost",
     "check_key",
     "clock_to_micros",
+    "combine",
     "exact_units",
     "observation_cap",
     "reserve_all",
@@ -441,3 +442,10 @@ def check_charge(cost: object) -> int:
 
 def check_key(key: str) -> str:
     """Checks a key as the limiter does and returns it."""
+
+def combine(decisions: Iterable[Decision]) -> Decision:
+    """One decision for several, by the rule of ``allow_all``: allowed if all allow;
+    ``retry_after`` the largest among the refusing (0.0 when none refuses, ``math.inf``
+    when one never passes); ``remaining``, ``reset_after`` and ``limit`` from the one
+    with the fewest remaining (the first on a tie); ``degraded`` if any is. No decision
+    is a ``ValueError``, an item that is not a ``Decision`` a ``TypeError``."""
