@@ -7,6 +7,7 @@
 
 pub mod bucket;
 pub mod clock;
+pub mod combined;
 pub mod concurrency;
 pub mod error;
 pub mod lease;
