@@ -9,6 +9,7 @@ bucket never refills): the bucket then ends exactly where the model says.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 import time
@@ -145,6 +146,22 @@ def test_closing_the_coroutine_while_it_waits_gives_the_tokens_back() -> None:
         assert limiter.peek("k").retry_after == 1.0
         with pytest.raises(RuntimeError):
             waiting.send(None)
+
+    asyncio.run(main())
+
+
+def test_a_dropped_coroutine_gives_the_tokens_back_as_a_closed_one_does() -> None:
+    limiter, _ = frozen_limiter(1, 1)
+    limiter.allow("k")
+
+    async def main() -> None:
+        waiting: Coroutine[Any, Any, Decision] | None = limiter.acquire_async("k")
+        assert waiting is not None
+        waiting.send(None)  # reserved, now waiting on its sleep
+        assert limiter.peek("k").retry_after == 2.0
+        waiting = None  # dropped without being closed
+        gc.collect()
+        assert limiter.peek("k").retry_after == 1.0, "the tokens it held are back"
 
     asyncio.run(main())
 
