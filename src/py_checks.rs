@@ -1,7 +1,8 @@
 //! The checks of `allow_all`, `reserve_all`, `acquire_all` and
 //! `acquire_all_async` (docs/design.md §2): parsed from Python, and read into
-//! the core's checks (every clock read before any lock, §5). What a call does
-//! with them is the core's (`registry`, `combined`).
+//! the core's checks (every clock read before any lock, §5), as are the
+//! permits a waiting call holds. What a call does with them is the core's
+//! (`registry`, `combined`).
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::gc::PyVisit;
@@ -9,9 +10,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyString, PyTuple};
 use pyo3::PyTraverseError;
 
+use crate::combined::Held;
 use crate::concurrency::PermitCheck;
 use crate::error::Error;
-use crate::py_types::{integer, key_str, type_name, ConcurrencyLimiter, Key, TokenBucketLimiter};
+use crate::py_types::{
+    integer, key_str, type_name, ConcurrencyLimiter, Key, Permit, TokenBucketLimiter,
+};
 use crate::registry::{self, Check};
 
 /// A parsed check of a token bucket: `(limiter, key, cost)`.
@@ -181,6 +185,25 @@ pub fn permit_checks<'a>(
                 limiter: &this.core,
                 key: key_str(key)?,
                 now,
+            })
+        })
+        .collect()
+}
+
+/// The core's view of the permits a waiting call holds, each with its
+/// clock's reading (read quietly: a clock that raises now only leaves a
+/// permit unrenewed).
+pub fn held_permits<'a>(py: Python<'a>, held: &'a [Py<Permit>]) -> PyResult<Vec<Held<'a>>> {
+    held.iter()
+        .map(|permit| {
+            let permit = permit.get();
+            let limiter = permit.limiter.get();
+            Ok(Held {
+                limiter: &limiter.core,
+                key: key_str(permit.key.bind(py))?,
+                token: permit.token,
+                decision: permit.decision,
+                now: limiter.now(py).unwrap_or(i64::MIN),
             })
         })
         .collect()

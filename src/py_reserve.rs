@@ -106,17 +106,8 @@ impl Reservation {
         self.decision.bind(py).get().allowed()
     }
 
-    pub fn is_granted(&self, py: Python<'_>) -> bool {
-        self.granted(py)
-    }
-
-    /// Its delay, as made (all of it is left when it was made just now).
-    pub fn delay_left(&self) -> Wait {
-        self.delay
-    }
-
     /// `cancel` on a path that must not fail (an error already on its way).
-    pub fn cancel_quietly(&self, py: Python<'_>) {
+    fn cancel_quietly(&self, py: Python<'_>) {
         let _ = self.cancel(py);
     }
 
@@ -495,33 +486,16 @@ fn after_permits(
             permit.get().release_quietly(py);
         }
     };
-    let made = |bucket_checks: &[registry::Check<'_>], nows: &[i64]| match bucket_checks.first() {
-        Some(first) if !checks.order[0] => first.now,
-        _ => nows.first().copied().unwrap_or(0),
-    };
     let done = waits.left(py).and_then(|left| {
-        let (bucket_checks, degraded) = py_checks::bucket_checks(py, &checks.buckets)?;
-        // Read quietly: a clock that raises now only leaves a permit unrenewed.
-        let nows: Vec<i64> = held
-            .iter()
-            .map(|p| p.get().limiter.get().now(py).unwrap_or(i64::MIN))
-            .collect();
-        let core_held = held
-            .iter()
-            .zip(&nows)
-            .map(|(p, &now)| {
-                let permit = p.get();
-                Ok(combined::Held {
-                    limiter: &permit.limiter.get().core,
-                    key: key_str(permit.key.bind(py))?,
-                    token: permit.token,
-                    decision: permit.decision,
-                    now,
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
-        let done = combined::after_permits(&bucket_checks, &core_held, left)?;
-        Ok((done, degraded, made(&bucket_checks, &nows)))
+        let (buckets, degraded) = py_checks::bucket_checks(py, &checks.buckets)?;
+        let permits = py_checks::held_permits(py, &held)?;
+        let done = combined::after_permits(&buckets, &permits, left)?;
+        let made = if checks.order[0] {
+            permits[0].now
+        } else {
+            buckets[0].now
+        };
+        Ok((done, degraded, made))
     });
     let (done, degraded, made) = match done {
         Ok(done) => done,

@@ -1,12 +1,12 @@
 //! Waiting, for a thread or a task: the procedure of a call waiting for
 //! permits ([`Waits`]: each [`Waits::round`] reads the clocks, asks the core,
 //! and says how long to sleep), its thread driver ([`wait_sync`]; the task's
-//! is the coroutine `Acquiring`), and how either sleeps: on the limiter's
-//! clock when it has its own `sleep` / `sleep_async`, else `time.sleep` /
-//! `asyncio.sleep`; and how a coroutine forwards what it awaits (`yield
-//! from`). A waiter sleeps until a permit is handed to it (the
-//! releasing call wakes it: a lock of its own, or a future of its own) or
-//! until the time a slot is sure to be its; never polls.
+//! is the coroutine `Acquiring`), how either sleeps (on the limiter's clock
+//! when it has its own `sleep` / `sleep_async`, else `time.sleep` /
+//! `asyncio.sleep`), and how a coroutine forwards what it awaits (`yield
+//! from`). A waiter sleeps until a permit is handed to it (the releasing call
+//! wakes it: a lock of its own, or a future of its own) or until the time a
+//! slot is sure to be its; never polls.
 
 use pyo3::exceptions::{PyBaseException, PyStopIteration};
 use pyo3::gc::PyVisit;
