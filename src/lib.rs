@@ -1,20 +1,23 @@
 //! bucketlimit's native core: an exact token-bucket limiter.
 //!
-//! `rate`, `bucket`, `registry`, `concurrency`, `lease`, `clock` and `error` are
-//! plain Rust with their own tests; `py`, `py_reserve`, `py_concurrency`,
-//! `py_lease` and `py_types` (what they share) are the thin `PyO3` layer; this
-//! file registers the module.
+//! `rate`, `bucket`, `registry`, `concurrency`, `combined`, `lease`, `clock`
+//! and `error` are plain Rust with their own tests; `py`, `py_checks`,
+//! `py_reserve`, `py_waits`, `py_concurrency`, `py_lease` and `py_types` (what
+//! they share) are the thin `PyO3` layer; this file registers the module.
 
 pub mod bucket;
 pub mod clock;
+pub mod combined;
 pub mod concurrency;
 pub mod error;
 pub mod lease;
 mod py;
+mod py_checks;
 mod py_concurrency;
 mod py_lease;
 mod py_reserve;
 mod py_types;
+mod py_waits;
 pub mod rate;
 pub mod registry;
 
@@ -34,7 +37,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<py_reserve::Acquiring>()?;
     m.add_class::<py_types::ConcurrencyLimiter>()?;
     m.add_class::<py_types::Permit>()?;
-    m.add_class::<py_concurrency::AcquiringPermit>()?;
     m.add_class::<py_lease::Leases>()?;
     m.add_function(wrap_pyfunction!(py::allow_all, m)?)?;
     m.add_function(wrap_pyfunction!(py::reserve_all, m)?)?;
@@ -48,6 +50,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py::check_key, m)?)?;
     m.add_function(wrap_pyfunction!(py::check_cost, m)?)?;
     m.add_function(wrap_pyfunction!(py::check_charge, m)?)?;
+    m.add_function(wrap_pyfunction!(py::combine, m)?)?;
     m.add("MAX_KEY_BYTES", error::MAX_KEY_BYTES)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

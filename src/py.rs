@@ -9,10 +9,10 @@ use pyo3::types::{PyDict, PyString};
 use pyo3::PyTraverseError;
 
 use crate::bucket::{Report, Wait};
-use crate::py_concurrency;
+use crate::py_checks::parse_checks;
 use crate::py_reserve;
 use crate::py_types::{
-    clock_arg, clock_micros, count, integer, max_keys_arg, number, Cost, Decision, Key, Per,
+    self, clock_arg, clock_micros, count, integer, max_keys_arg, number, Cost, Decision, Key, Per,
     TokenBucketLimiter,
 };
 use crate::rate::{Config, Number};
@@ -100,7 +100,7 @@ impl TokenBucketLimiter {
         cost: Cost,
         max_wait: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<py_reserve::Reservation> {
-        let max_wait = py_reserve::max_wait(max_wait, "max_wait")?;
+        let max_wait = py_types::max_wait(max_wait, "max_wait")?;
         py_reserve::reserve_one(slf.py(), slf, key, cost.0, max_wait)
     }
 
@@ -114,7 +114,7 @@ impl TokenBucketLimiter {
         cost: Cost,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<Decision>> {
-        let timeout = py_reserve::max_wait(timeout, "timeout")?;
+        let timeout = py_types::max_wait(timeout, "timeout")?;
         let reservation = py_reserve::reserve_one(slf.py(), slf, key, cost.0, timeout)?;
         py_reserve::wait(slf.py(), &reservation)
     }
@@ -249,13 +249,13 @@ impl TokenBucketLimiter {
 #[pyfunction]
 #[pyo3(signature = (checks, cost = Cost(1)), text_signature = "(checks, cost=1)")]
 pub fn allow_all(py: Python<'_>, checks: &Bound<'_, PyAny>, cost: Cost) -> PyResult<Py<PyAny>> {
-    let parsed = py_reserve::parse_checks(checks, cost.0, "allow_all")?;
+    let parsed = parse_checks(checks, cost.0, "allow_all")?;
     if parsed.permits.is_empty() {
         let reservation = py_reserve::reserve_checks(py, &parsed.buckets, Some(0))?;
         let decision = reservation.decision_of(py);
         return Ok(Py::new(py, decision)?.into_any());
     }
-    let reservation = py_concurrency::reserve_with_permits(py, &parsed, Some(0))?;
+    let reservation = py_reserve::reserve_with_permits(py, &parsed, Some(0))?;
     Ok(Py::new(py, reservation)?.into_any())
 }
 
@@ -270,12 +270,12 @@ pub fn reserve_all(
     cost: Cost,
     max_wait: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<py_reserve::Reservation> {
-    let max_wait = py_reserve::max_wait(max_wait, "max_wait")?;
-    let parsed = py_reserve::parse_checks(checks, cost.0, "reserve_all")?;
+    let max_wait = py_types::max_wait(max_wait, "max_wait")?;
+    let parsed = parse_checks(checks, cost.0, "reserve_all")?;
     if parsed.permits.is_empty() {
         return py_reserve::reserve_checks(py, &parsed.buckets, max_wait);
     }
-    py_concurrency::reserve_with_permits(py, &parsed, max_wait)
+    py_reserve::reserve_with_permits(py, &parsed, max_wait)
 }
 
 /// `reserve_all`, then blocks for the longest delay (or refuses at once).
@@ -290,13 +290,13 @@ pub fn acquire_all(
     cost: Cost,
     timeout: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
-    let timeout = py_reserve::max_wait(timeout, "timeout")?;
-    let parsed = py_reserve::parse_checks(checks, cost.0, "acquire_all")?;
+    let timeout = py_types::max_wait(timeout, "timeout")?;
+    let parsed = parse_checks(checks, cost.0, "acquire_all")?;
     if parsed.permits.is_empty() {
         let reservation = py_reserve::reserve_checks(py, &parsed.buckets, timeout)?;
         return Ok(py_reserve::wait(py, &reservation)?.into_any());
     }
-    let reservation = py_concurrency::acquire_with_permits(py, &parsed, timeout)?;
+    let reservation = py_reserve::acquire_with_permits(py, &parsed, timeout)?;
     Ok(Py::new(py, reservation)?.into_any())
 }
 
@@ -309,22 +309,10 @@ pub fn acquire_all_async(
     checks: &Bound<'_, PyAny>,
     cost: Cost,
     timeout: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Py<PyAny>> {
-    let max_wait = py_reserve::max_wait(timeout, "timeout")?;
-    let parsed = py_reserve::parse_checks(checks, cost.0, "acquire_all_async")?;
-    if !parsed.permits.is_empty() {
-        let coroutine = py_concurrency::acquiring_with_permits(py, &parsed, max_wait)?;
-        return Ok(Py::new(py, coroutine)?.into_any());
-    }
-    let coroutine = py_reserve::Acquiring::new(py_reserve::Request::All {
-        checks: parsed
-            .buckets
-            .into_iter()
-            .map(|(l, k, c)| (l.unbind(), k.unbind(), c))
-            .collect(),
-        max_wait,
-    });
-    Ok(Py::new(py, coroutine)?.into_any())
+) -> PyResult<py_reserve::Acquiring> {
+    let max_wait = py_types::max_wait(timeout, "timeout")?;
+    let parsed = parse_checks(checks, cost.0, "acquire_all_async")?;
+    py_reserve::acquiring_all(py, &parsed, max_wait)
 }
 
 /// The exact integer configuration the Redis script uses:
@@ -375,7 +363,7 @@ impl Words {
     ) -> PyResult<Words> {
         let given = |obj: Option<&Bound<'_, PyAny>>, name: &str| {
             obj.filter(|o| !o.is_none())
-                .map(|o| py_reserve::max_wait(Some(o), name))
+                .map(|o| py_types::max_wait(Some(o), name))
                 .transpose()
         };
         Ok(Words {
@@ -428,6 +416,31 @@ pub fn observation_cap(
         Number::Int(seconds),
     )?;
     Ok(words.report(&config, 0).cap)
+}
+
+/// One decision for several, by the rule of `allow_all` (`registry::combine`):
+/// what a Redis `*_all` answers; degraded if any of them is.
+#[pyfunction]
+pub fn combine(decisions: &Bound<'_, PyAny>) -> PyResult<Decision> {
+    let decisions = decisions
+        .try_iter()?
+        .map(|item| {
+            let item = item?;
+            let decision = item.cast::<Decision>().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "combine takes a sequence of Decision, got {}",
+                    crate::py_types::type_name(&item)
+                ))
+            })?;
+            Ok(decision.get().copy())
+        })
+        .collect::<PyResult<Vec<Decision>>>()?;
+    if decisions.is_empty() {
+        return Err(PyValueError::new_err(
+            "combine takes at least one Decision, got none",
+        ));
+    }
+    Ok(Decision::combined(&decisions))
 }
 
 /// Checks a cost as the limiter does (type, then value) and returns it.

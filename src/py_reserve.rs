@@ -1,153 +1,30 @@
-//! The binding of reservations (docs/design.md §2): `Reservation`, the
-//! checks of `allow_all` / `reserve_all` / `acquire_all`, waiting on the
-//! limiter's clock, and `Acquiring`, the coroutine of `acquire_async`.
-//! Types are checked here; the arithmetic is `bucket.rs` and `registry.rs`.
-//! A reservation may also hold concurrency permits (`py_concurrency.rs`
-//! takes them): its `cancel` and `settle` release them.
+//! The binding of reservations (docs/design.md §2): `Reservation`, made by
+//! `reserve`, by the `*_all` calls (over token buckets, and with concurrency
+//! permits: `combined.rs` decides, this module builds the reservation that
+//! holds them), waited for in a thread or by `Acquiring`, the one coroutine
+//! of every `acquire_async`, token buckets' and permits'. Types are checked
+//! here; the arithmetic is `bucket.rs`, `registry.rs` and `combined.rs`.
+//! A reservation's `cancel` and `settle` release its permits.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyValueError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyFloat, PyList, PyString, PyTuple};
+use pyo3::types::{PyFloat, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
 
-use crate::bucket::{self, Line, Reserved, Wait};
-use crate::clock;
-use crate::error::Error;
+use crate::bucket::{Line, Reserved, Wait};
+use crate::combined;
+use crate::py_checks::{self, Checks, OwnedChecks, Parsed};
 use crate::py_types::{
-    integer, key_str, read_clock, repr, seconds, type_name, ConcurrencyLimiter, Decision, Key,
-    Permit, TokenBucketLimiter,
+    integer, key_str, max_wait, read_clock, repr, seconds, Decision, Permit, TokenBucketLimiter,
 };
-use crate::registry::{self, Check};
-
-static TIME_SLEEP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-static ASYNCIO_SLEEP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-
-/// A `max_wait` / `timeout`: `None` or `inf` for no limit, else seconds >= 0
-/// as an int or float, in microseconds by the clock's rounding (§4).
-pub fn max_wait(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Wait> {
-    let Some(obj) = obj.filter(|o| !o.is_none()) else {
-        return Ok(None);
-    };
-    let bad = || {
-        PyValueError::new_err(format!(
-            "{name} must be a number of seconds >= 0 or None, got {}",
-            repr(obj)
-        ))
-    };
-    if let Ok(float) = obj.cast::<PyFloat>() {
-        let x = float.value();
-        if x.is_nan() || x < 0.0 {
-            return Err(bad());
-        }
-        // Beyond the clock's range is as good as no limit.
-        return Ok(clock::float_seconds_to_micros(x)
-            .ok()
-            .map(|micros| micros as u128));
-    }
-    if obj.is_instance_of::<PyBool>() {
-        return Err(PyTypeError::new_err(format!(
-            "{name} must be an int, float or None, got bool"
-        )));
-    }
-    let whole = integer(obj, name).map_err(|e| {
-        if e.is_instance_of::<PyTypeError>(obj.py()) {
-            PyTypeError::new_err(format!(
-                "{name} must be an int, float or None, got {}",
-                type_name(obj)
-            ))
-        } else {
-            e
-        }
-    })?;
-    if whole < 0 {
-        return Err(bad());
-    }
-    Ok(clock::int_seconds_to_micros(whole)
-        .ok()
-        .map(|micros| micros as u128))
-}
-
-/// A parsed check of a token bucket: `(limiter, key, cost)`.
-pub type Parsed<'py> = (Bound<'py, TokenBucketLimiter>, Bound<'py, PyString>, i128);
-
-/// A parsed check of a concurrency limiter: `(limiter, key)`, one permit.
-pub type ParsedPermit<'py> = (Bound<'py, ConcurrencyLimiter>, Bound<'py, PyString>);
-
-/// The checks of an `*_all` call: the token buckets', the permits', and for
-/// each check in the order given whether it is a permit.
-pub struct Checks<'py> {
-    pub buckets: Vec<Parsed<'py>>,
-    pub permits: Vec<ParsedPermit<'py>>,
-    pub order: Vec<bool>,
-}
-
-/// [`Checks`] held past the call (by a coroutine).
-pub struct OwnedChecks {
-    pub buckets: Vec<(Py<TokenBucketLimiter>, Py<PyString>, i128)>,
-    pub permits: Vec<(Py<ConcurrencyLimiter>, Py<PyString>)>,
-    pub order: Vec<bool>,
-}
-
-impl Checks<'_> {
-    pub fn owned(&self) -> OwnedChecks {
-        OwnedChecks {
-            buckets: self
-                .buckets
-                .iter()
-                .map(|(l, k, c)| (l.clone().unbind(), k.clone().unbind(), *c))
-                .collect(),
-            permits: self
-                .permits
-                .iter()
-                .map(|(l, k)| (l.clone().unbind(), k.clone().unbind()))
-                .collect(),
-            order: self.order.clone(),
-        }
-    }
-
-    /// The clock of the first check: a call's timeout counts on it, and its
-    /// waits sleep with it (docs/design.md §2). Needs a check.
-    pub fn first_clock(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        let clock = if self.order[0] {
-            self.permits[0].0.get().clock.as_ref()
-        } else {
-            self.buckets[0].0.get().clock()
-        };
-        clock.map(|c| c.clone_ref(py))
-    }
-}
-
-impl OwnedChecks {
-    pub fn bind<'py>(&self, py: Python<'py>) -> Checks<'py> {
-        Checks {
-            buckets: self
-                .buckets
-                .iter()
-                .map(|(l, k, c)| (l.bind(py).clone(), k.bind(py).clone(), *c))
-                .collect(),
-            permits: self
-                .permits
-                .iter()
-                .map(|(l, k)| (l.bind(py).clone(), k.bind(py).clone()))
-                .collect(),
-            order: self.order.clone(),
-        }
-    }
-
-    pub fn visit(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
-        for (limiter, _, _) in &self.buckets {
-            visit.call(limiter)?;
-        }
-        for (limiter, _) in &self.permits {
-            visit.call(limiter)?;
-        }
-        Ok(())
-    }
-}
+use crate::py_waits::{
+    cancel_timer, forward, sleeper, start_sleep, thrown_error, wait_sync, Forwarded, Outcome,
+    Round, Waits, Wake,
+};
+use crate::registry;
 
 /// Tokens of one bucket of a reservation.
 pub struct Tokens {
@@ -229,17 +106,8 @@ impl Reservation {
         self.decision.bind(py).get().allowed()
     }
 
-    pub fn is_granted(&self, py: Python<'_>) -> bool {
-        self.granted(py)
-    }
-
-    /// Its delay, as made (all of it is left when it was made just now).
-    pub fn delay_left(&self) -> Wait {
-        self.delay
-    }
-
     /// `cancel` on a path that must not fail (an error already on its way).
-    pub fn cancel_quietly(&self, py: Python<'_>) {
+    fn cancel_quietly(&self, py: Python<'_>) {
         let _ = self.cancel(py);
     }
 
@@ -463,57 +331,20 @@ fn reservation(
     })
 }
 
-/// The token part of a call with permits, as the core answered it.
-pub struct TokenPart {
-    pub reserved: Reserved,
-    pub tokens: Vec<Tokens>,
-    pub degraded: bool,
-    /// The first bucket's clock when it was made.
-    pub made: i64,
-}
-
-/// A reservation over a call's checks: its token part (`None` when none was
-/// reserved: no token bucket, or a refusal by a permit first) and one permit
-/// per concurrency check (granted, or unheld for a refusal), in the order of
-/// the checks. Its decision combines every check's by the rule of
-/// `allow_all` (docs/design.md §2).
-pub fn with_permits(
+/// A reservation over a call's checks with concurrency permits, as the core
+/// answered it: the tokens' cap lines (one per bucket; none when nothing was
+/// reserved), one permit per concurrency check (granted, or unheld for a
+/// refusal), in the order of the checks.
+fn with_permits(
     py: Python<'_>,
     checks: &Checks<'_>,
-    tokens: Option<TokenPart>,
+    reserved: Reserved,
+    lines: Vec<Option<Line>>,
+    degraded: bool,
     permits: Vec<Py<Permit>>,
     made: i64,
 ) -> PyResult<Reservation> {
-    let mut decisions: Vec<bucket::Decision> = Vec::with_capacity(permits.len() + 1);
-    let (delay, degraded, mut buckets) = match tokens {
-        Some(part) => {
-            decisions.push(part.reserved.decision);
-            (part.reserved.delay, part.degraded, part.tokens)
-        }
-        // Nothing reserved: the buckets are named, never given back to.
-        None => (
-            Some(0),
-            false,
-            tokens_of(&checks.buckets, vec![None; checks.buckets.len()]),
-        ),
-    };
-    decisions.extend(permits.iter().map(|p| p.get().decision));
-    let mut decision = registry::combine(&decisions);
-    // Granted only if every part was; a permit not held refuses the call.
-    decision.allowed =
-        decisions.iter().all(|d| d.allowed) && permits.iter().all(|p| p.get().granted());
-    // A refusal's delay: the longest wait it knows of (a permit's: until a
-    // slot is sure to be free, docs/design.md §4 "Permits").
-    let delay = if decision.allowed {
-        delay
-    } else {
-        decisions
-            .iter()
-            .filter(|d| !d.allowed)
-            .map(|d| d.retry_after)
-            .fold(delay, |a, b| Some(a?.max(b?)))
-    };
-    buckets.reverse();
+    let mut buckets = tokens_of(&checks.buckets, lines).into_iter();
     let mut permits = permits.into_iter();
     let parts = checks
         .order
@@ -522,35 +353,11 @@ pub fn with_permits(
             if is_permit {
                 Part::Permit(permits.next().expect("one permit per concurrency check"))
             } else {
-                Part::Tokens(buckets.pop().expect("one part per token bucket check"))
+                Part::Tokens(buckets.next().expect("one part per token bucket check"))
             }
         })
         .collect();
-    reservation(py, parts, Reserved { decision, delay }, made, degraded)
-}
-
-/// Checks token-bucket checks (keys, costs, duplicates) as `reserve_all`
-/// does, without reading a clock or locking: a call that waits for permits
-/// first rejects bad input before it takes any.
-pub fn check_buckets(parsed: &[Parsed<'_>]) -> PyResult<()> {
-    if parsed.is_empty() {
-        return Ok(());
-    }
-    let keys = parsed
-        .iter()
-        .map(|(_, key, _)| key_str(key))
-        .collect::<PyResult<Vec<_>>>()?;
-    let checks: Vec<Check<'_>> = parsed
-        .iter()
-        .zip(&keys)
-        .map(|((limiter, _, cost), key)| Check {
-            registry: &limiter.get().registry,
-            key,
-            cost: *cost,
-            now: 0,
-        })
-        .collect();
-    Ok(registry::check_all(&checks)?)
+    reservation(py, parts, reserved, made, degraded)
 }
 
 /// `limiter.reserve(key, cost, max_wait=...)`.
@@ -574,91 +381,11 @@ pub fn reserve_one(
     reservation(py, vec![part], reserved, now, this.degraded())
 }
 
-/// The checks of `allow_all` and friends: `(limiter, key)` pairs with the
-/// call's `cost`, or `(limiter, key, cost)` triples; a concurrency limiter's
-/// check is one permit (`(conc, key)` or `(conc, key, 1)`).
-pub fn parse_checks<'py>(
-    checks: &Bound<'py, PyAny>,
-    cost: i128,
-    what: &str,
-) -> PyResult<Checks<'py>> {
-    let mut parsed = Checks {
-        buckets: Vec::new(),
-        permits: Vec::new(),
-        order: Vec::new(),
-    };
-    for item in checks.try_iter()? {
-        let item = item?;
-        let not_a_check = || {
-            PyTypeError::new_err(format!(
-                "{what} takes a sequence of (limiter, key) pairs or (limiter, key, cost) \
-                 triples, got {}",
-                type_name(&item)
-            ))
-        };
-        let tuple = item.cast::<PyTuple>().map_err(|_| not_a_check())?;
-        let own_cost = match tuple.len() {
-            2 => None,
-            3 => Some(integer(&tuple.get_item(2)?, "cost")?),
-            _ => return Err(not_a_check()),
-        };
-        let limiter = tuple.get_item(0)?;
-        let key = tuple.get_item(1)?;
-        let key = Key::extract(key.as_borrowed())?.0.to_owned();
-        if let Ok(conc) = limiter.cast::<ConcurrencyLimiter>() {
-            if let Some(n) = own_cost.filter(|&n| n != 1) {
-                return Err(Error::Permits(n.to_string()).into());
-            }
-            parsed.permits.push((conc.clone(), key));
-            parsed.order.push(true);
-            continue;
-        }
-        let limiter = limiter.cast_into::<TokenBucketLimiter>().map_err(|e| {
-            PyTypeError::new_err(format!(
-                "{what} takes TokenBucketLimiter or ConcurrencyLimiter instances here, got {}",
-                type_name(e.into_inner().as_any())
-            ))
-        })?;
-        parsed
-            .buckets
-            .push((limiter, key, own_cost.unwrap_or(cost)));
-        parsed.order.push(false);
-    }
-    Ok(parsed)
-}
-
-/// A token-bucket check with its clock's reading.
-type Resolved<'a> = (&'a TokenBucketLimiter, &'a str, i128, i64);
-
-/// The clock readings of token-bucket checks (every clock is read before any
-/// lock), and whether any limiter is a degraded fallback.
-fn read_checks<'a>(
-    py: Python<'_>,
-    parsed: &'a [Parsed<'_>],
-) -> PyResult<(Vec<Resolved<'a>>, bool)> {
-    let mut resolved = Vec::with_capacity(parsed.len());
-    let mut degraded = false;
-    for (limiter, key, cost) in parsed {
-        let this = limiter.get();
-        degraded |= this.degraded();
-        resolved.push((this, key_str(key)?, *cost, this.now(py)?));
-    }
-    Ok((resolved, degraded))
-}
-
-fn core_checks<'a>(resolved: &[Resolved<'a>]) -> Vec<Check<'a>> {
-    resolved
-        .iter()
-        .map(|&(limiter, key, cost, now)| Check {
-            registry: &limiter.registry,
-            key,
-            cost,
-            now,
-        })
-        .collect()
-}
-
+/// The tokens of each bucket check, with the cap line its reservation left
+/// (`lines` is empty when nothing was reserved: the buckets are named, never
+/// given back to).
 fn tokens_of(parsed: &[Parsed<'_>], lines: Vec<Option<Line>>) -> Vec<Tokens> {
+    let lines = lines.into_iter().chain(std::iter::repeat(None));
     parsed
         .iter()
         .zip(lines)
@@ -671,69 +398,142 @@ fn tokens_of(parsed: &[Parsed<'_>], lines: Vec<Option<Line>>) -> Vec<Tokens> {
         .collect()
 }
 
-/// `reserve_all` over parsed checks: every clock is read before any lock.
+/// `reserve_all` over token buckets: every clock is read before any lock.
 pub fn reserve_checks(
     py: Python<'_>,
     parsed: &[Parsed<'_>],
     max_wait: Wait,
 ) -> PyResult<Reservation> {
-    let (resolved, degraded) = read_checks(py, parsed)?;
-    let (reserved, lines) = registry::reserve_all(&core_checks(&resolved), max_wait)?;
+    let (checks, degraded) = py_checks::bucket_checks(py, parsed)?;
+    let (reserved, lines) = registry::reserve_all(&checks, max_wait)?;
     let parts = tokens_of(parsed, lines)
         .into_iter()
         .map(Part::Tokens)
         .collect();
-    let made = resolved.first().map_or(0, |&(_, _, _, now)| now);
+    let made = checks.first().map_or(0, |check| check.now);
     reservation(py, parts, reserved, made, degraded)
 }
 
-/// The token part of a call with permits, all or nothing with them: `gate`
-/// takes the permits under the tables' locks (`registry::reserve_all_gated`).
-/// Every clock is read before any lock.
-///
-/// # Errors
-/// A bad key or cost, a duplicate check; nothing changes then.
-pub fn reserve_tokens_gated(
+/// `allow_all` / `reserve_all` over checks with concurrency limiters
+/// (`combined::reserve`): every permit free now and every bucket within
+/// `max_wait`, all or nothing. Every clock is read before any lock.
+pub fn reserve_with_permits(
     py: Python<'_>,
-    parsed: &[Parsed<'_>],
+    checks: &Checks<'_>,
     max_wait: Wait,
-    gate: impl FnOnce(bool, Wait) -> bool,
-) -> PyResult<TokenPart> {
-    let (resolved, degraded) = read_checks(py, parsed)?;
-    let (reserved, lines) = registry::reserve_all_gated(&core_checks(&resolved), max_wait, gate)?;
-    Ok(TokenPart {
-        reserved,
-        tokens: tokens_of(parsed, lines),
-        degraded,
-        made: resolved.first().map_or(0, |&(_, _, _, now)| now),
-    })
-}
-
-/// A clock's own `sleep` / `sleep_async`, when it has one (a `ManualClock`
-/// advances itself).
-pub fn clock_sleeper<'py>(
-    py: Python<'py>,
-    clock: Option<&Py<PyAny>>,
-    r#async: bool,
-) -> Option<Bound<'py, PyAny>> {
-    let name = if r#async { "sleep_async" } else { "sleep" };
-    let sleep = clock?.bind(py).getattr(name).ok()?;
-    sleep.is_callable().then_some(sleep)
-}
-
-/// What a limiter waits with: its clock's `sleep` / `sleep_async` when the
-/// clock has one, else `time.sleep` / `asyncio.sleep`.
-pub fn sleeper<'py>(
-    py: Python<'py>,
-    clock: Option<&Py<PyAny>>,
-    r#async: bool,
-) -> PyResult<Bound<'py, PyAny>> {
-    if let Some(sleep) = clock_sleeper(py, clock, r#async) {
-        return Ok(sleep);
+) -> PyResult<Reservation> {
+    let permit_checks = py_checks::permit_checks(py, &checks.permits)?;
+    let (bucket_checks, degraded) = py_checks::bucket_checks(py, &checks.buckets)?;
+    let done = combined::reserve(&bucket_checks, &permit_checks, max_wait)?;
+    let taken = done.permits;
+    let mut permits = Vec::with_capacity(checks.permits.len());
+    for (((limiter, key), answer), (woken, log)) in checks
+        .permits
+        .iter()
+        .zip(taken.answers)
+        .zip(taken.woken.into_iter().zip(taken.log_no_room))
+    {
+        let this = limiter.get();
+        this.wake(py, woken);
+        if log {
+            this.core.log_refusing_new_keys();
+        }
+        permits.push(Py::new(
+            py,
+            Permit::new(limiter.clone().unbind(), key.clone().unbind(), answer),
+        )?);
     }
-    let cell = if r#async { &ASYNCIO_SLEEP } else { &TIME_SLEEP };
-    let module = if r#async { "asyncio" } else { "time" };
-    Ok(cell.import(py, module, "sleep")?.clone())
+    let made = if checks.order[0] {
+        permit_checks[0].now
+    } else {
+        bucket_checks[0].now
+    };
+    with_permits(
+        py,
+        checks,
+        done.reserved,
+        done.lines,
+        degraded,
+        permits,
+        made,
+    )
+}
+
+/// The reservation of an `acquire_all` with permits once its wait for them
+/// is over: a refusal's (`Err`: one unheld permit per check), or the tokens
+/// reserved within what is left of the timeout, the permits extended to live
+/// `ttl` from when the tokens are ready (`combined::after_permits`; a refusal
+/// releases them). Never leaves a permit held on an error.
+fn after_permits(
+    py: Python<'_>,
+    checks: &Checks<'_>,
+    outcome: Outcome,
+    waits: &Waits,
+) -> PyResult<Reservation> {
+    let held = match outcome {
+        Ok(held) => held,
+        Err(unheld) => {
+            let answers: Vec<_> = unheld
+                .iter()
+                .map(|p| (p.get().decision, p.get().granted()))
+                .collect();
+            let refused = combined::answer(None, &answers);
+            return with_permits(py, checks, refused, Vec::new(), false, unheld, 0);
+        }
+    };
+    let release = || {
+        for permit in &held {
+            permit.get().release_quietly(py);
+        }
+    };
+    let done = waits.left(py).and_then(|left| {
+        let (buckets, degraded) = py_checks::bucket_checks(py, &checks.buckets)?;
+        let permits = py_checks::held_permits(py, &held)?;
+        let done = combined::after_permits(&buckets, &permits, left)?;
+        let made = if checks.order[0] {
+            permits[0].now
+        } else {
+            buckets[0].now
+        };
+        Ok((done, degraded, made))
+    });
+    let (done, degraded, made) = match done {
+        Ok(done) => done,
+        Err(error) => {
+            release();
+            return Err(error);
+        }
+    };
+    for (permit, woken) in held.iter().zip(done.woken) {
+        permit.get().limiter.get().wake(py, woken);
+    }
+    if !done.reserved.decision.allowed {
+        release();
+    }
+    with_permits(py, checks, done.reserved, done.lines, degraded, held, made)
+}
+
+/// `acquire_all` over checks with concurrency limiters, in this thread: waits
+/// for the permits (in order, FIFO each), then for the tokens.
+pub fn acquire_with_permits(
+    py: Python<'_>,
+    checks: &Checks<'_>,
+    timeout: Wait,
+) -> PyResult<Reservation> {
+    if timeout == Some(0) {
+        return reserve_with_permits(py, checks, timeout);
+    }
+    py_checks::check_buckets(&checks.buckets)?;
+    let mut waits = Waits::new(
+        py,
+        &checks.permits,
+        checks.first_clock(py).as_ref(),
+        timeout,
+    )?;
+    let outcome = wait_sync(py, &mut waits)?;
+    let reservation = after_permits(py, checks, outcome, &waits)?;
+    wait(py, &reservation)?;
+    Ok(reservation)
 }
 
 /// Blocks until a granted reservation's tokens are there (the sleep releases
@@ -768,7 +568,7 @@ pub fn acquiring(
     let max_wait = max_wait(timeout, "timeout")?;
     crate::error::check_key(key_str(key)?)?;
     limiter.get().config().check_cost(cost)?;
-    Ok(Acquiring::new(Request::One {
+    Ok(Acquiring::new(Request::Tokens {
         limiter: limiter.clone().unbind(),
         key: key.clone().unbind(),
         cost,
@@ -776,132 +576,164 @@ pub fn acquiring(
     }))
 }
 
-/// What an `Acquiring` reserves at its first step.
-pub enum Request {
-    One {
+/// `acquire_all_async(checks, timeout=...)`: the checks are checked now,
+/// the permits and tokens taken when awaited.
+pub fn acquiring_all(py: Python<'_>, checks: &Checks<'_>, timeout: Wait) -> PyResult<Acquiring> {
+    if checks.permits.is_empty() {
+        return Ok(Acquiring::new(Request::All {
+            checks: Box::new(checks.owned()),
+            max_wait: timeout,
+        }));
+    }
+    py_checks::check_buckets(&checks.buckets)?;
+    let waits = Waits::new(
+        py,
+        &checks.permits,
+        checks.first_clock(py).as_ref(),
+        timeout,
+    )?;
+    Ok(Acquiring::queued(waits, Goal::All(checks.owned())))
+}
+
+/// What an [`Acquiring`] takes at its first step. Its large parts are boxed:
+/// the coroutine of a token bucket stays small (moved at every step).
+enum Request {
+    /// `acquire_async`: one bucket's tokens.
+    Tokens {
         limiter: Py<TokenBucketLimiter>,
         key: Py<PyString>,
         cost: i128,
         max_wait: Wait,
     },
+    /// `acquire_all_async` over token buckets alone.
     All {
-        checks: Vec<(Py<TokenBucketLimiter>, Py<PyString>, i128)>,
+        checks: Box<OwnedChecks>,
         max_wait: Wait,
     },
-    /// A reservation already made (`Reservation.wait_async`): nothing to take.
+    /// `Reservation.wait_async`: a reservation already made, nothing to take.
     Held(Py<Reservation>),
+    /// Permits, each in its turn; then the goal.
+    Permits(Box<Queue>),
 }
 
-impl Request {
-    /// The reservation, and what is left of its wait.
-    fn reserve(&self, py: Python<'_>) -> PyResult<(Py<Reservation>, Wait)> {
-        let made = match self {
-            Request::One {
-                limiter,
-                key,
-                cost,
-                max_wait,
-            } => reserve_one(py, limiter.bind(py), key.bind(py), *cost, *max_wait)?,
-            Request::All { checks, max_wait } => {
-                let parsed = checks
-                    .iter()
-                    .map(|(l, k, c)| (l.bind(py).clone(), k.bind(py).clone(), *c))
-                    .collect::<Vec<_>>();
-                reserve_checks(py, &parsed, *max_wait)?
-            }
-            Request::Held(reservation) => {
-                let left = reservation.get().left(py)?;
-                return Ok((reservation.clone_ref(py), left));
-            }
-        };
-        // Made just now: all of its delay is left.
-        let left = if made.granted(py) {
-            made.delay
-        } else {
-            Some(0)
-        };
-        Ok((Py::new(py, made)?, left))
-    }
+/// What an [`Acquiring`] does once its wait for permits is over.
+pub enum Goal {
+    /// `ConcurrencyLimiter.acquire_async`: answers the permit.
+    Permit,
+    /// `acquire_all_async` with permits: reserves these checks' tokens,
+    /// sleeps until they are ready and answers the reservation.
+    All(OwnedChecks),
 }
 
-/// The iterator of an asyncio sleep of `left` on `clock` (its `sleep_async`,
-/// else `asyncio.sleep`), to forward as `yield from` would.
-pub fn start_sleep(py: Python<'_>, clock: Option<&Py<PyAny>>, left: Wait) -> PyResult<Py<PyAny>> {
-    let sleep = sleeper(py, clock, true)?.call1((seconds(left),))?;
-    Ok(sleep.call_method0("__await__")?.unbind())
+/// A wait for permits, and what follows it.
+struct Queue {
+    waits: Waits,
+    goal: Goal,
 }
 
-/// What became of a value sent (or an error thrown) into an awaited iterator.
-pub enum Forwarded {
-    /// It yielded this to the event loop: yield it on.
-    Yielded(Py<PyAny>),
-    /// It is done (`StopIteration`).
-    Finished,
-    Failed(PyErr),
-}
-
-/// One step of `yield from awaiting`: `send(value)`, or `throw(thrown)`.
-pub fn forward(
-    py: Python<'_>,
-    awaiting: &Py<PyAny>,
-    value: Py<PyAny>,
-    thrown: Option<PyErr>,
-) -> Forwarded {
-    let bound = awaiting.bind(py);
-    let answer = match thrown {
-        None => bound.call_method1("send", (value,)),
-        Some(error) => bound.call_method1("throw", (error.into_value(py),)),
-    };
-    match answer {
-        Ok(yielded) => Forwarded::Yielded(yielded.unbind()),
-        Err(error) if error.is_instance_of::<PyStopIteration>(py) => Forwarded::Finished,
-        Err(error) => Forwarded::Failed(error),
-    }
-}
-
-/// `throw(type, value, traceback)` arguments as one error, as a generator
-/// takes them.
-pub fn thrown_error(error: Bound<'_, PyAny>, value: Option<Bound<'_, PyAny>>) -> PyResult<PyErr> {
-    Ok(match value.filter(|v| !v.is_none()) {
-        Some(value) if !error.is_instance_of::<pyo3::exceptions::PyBaseException>() => {
-            PyErr::from_value(error.call1((value,))?)
+impl Queue {
+    fn visit(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        self.waits.visit(visit)?;
+        match &self.goal {
+            Goal::Permit => Ok(()),
+            Goal::All(checks) => checks.visit(visit),
         }
-        _ => PyErr::from_value(error),
-    })
+    }
+}
+
+/// What an [`Acquiring`] answers once its reservation's tokens are ready.
+#[derive(Clone, Copy)]
+enum Answer {
+    /// Its decision (token buckets alone).
+    Decision,
+    /// The reservation (with permits: they are released through it).
+    Reservation,
+}
+
+/// What a waiting [`Acquiring`] holds or waits for.
+enum Holding {
+    /// A place in the queue for a permit (and the permits taken before it),
+    /// and the timer that resolves its future when the wait is over (none
+    /// with a clock's sleep).
+    Queue {
+        queue: Box<Queue>,
+        timer: Option<Py<PyAny>>,
+    },
+    /// A reservation, until its tokens are ready.
+    Reservation {
+        reservation: Py<Reservation>,
+        answer: Answer,
+    },
+}
+
+impl Holding {
+    /// The one rule for a wait that stops early (cancelled, failing, closed,
+    /// collected or dropped): it leaves the queue (giving back a permit
+    /// handed to it meanwhile), releases the permits it holds, and cancels
+    /// its reservation. Never fails.
+    fn give_back(self, py: Python<'_>) {
+        match self {
+            Holding::Queue { mut queue, timer } => {
+                cancel_timer(py, timer);
+                queue.waits.abandon(py);
+            }
+            Holding::Reservation { reservation, .. } => reservation.get().cancel_quietly(py),
+        }
+    }
+
+    fn visit(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        match self {
+            Holding::Queue { queue, timer } => {
+                queue.visit(visit)?;
+                match timer {
+                    Some(timer) => visit.call(timer),
+                    None => Ok(()),
+                }
+            }
+            Holding::Reservation { reservation, .. } => visit.call(reservation),
+        }
+    }
 }
 
 enum State {
     Start(Request),
+    /// Awaiting a sleep (or a future a releasing call resolves), forwarded.
     Waiting {
-        reservation: Py<Reservation>,
-        /// The iterator of the sleep being awaited.
-        sleep: Py<PyAny>,
+        awaiting: Py<PyAny>,
+        holding: Holding,
     },
     Done,
 }
 
-/// The coroutine of `acquire_async` / `acquire_all_async` /
-/// `Reservation.wait_async`; it answers the reservation's `decision`.
+/// The coroutine of every `acquire_async`: `TokenBucketLimiter`'s and
+/// `acquire_all_async` (answering the `Decision`, or with concurrency
+/// limiters the `Reservation`), `Reservation.wait_async` (its `decision`) and
+/// `ConcurrencyLimiter`'s (the `Permit`). Token waits are its case without
+/// permits.
 ///
-/// The tokens are taken at its first step, and the same step starts the
-/// sleep it then forwards (as `yield from` would): there is no point at
-/// which the task can be cancelled between taking them and holding them.
-/// Cancelled (or closed, or failing) while it sleeps, it gives them back.
+/// Cancel-safe: whatever it takes (tokens, a permit) is taken at a step that
+/// ends by answering it or by holding it in this object, and the step that
+/// takes tokens also starts the sleep it then forwards (as `yield from`
+/// would), so no cancellation point lies between taking and holding. One
+/// rule for giving back: cancelled, failing, closed, collected or dropped
+/// while it waits, it leaves the queue (giving back a permit handed to it
+/// meanwhile), releases the permits it holds and cancels its reservation.
 #[pyclass(module = "bucketlimit._core")]
 pub struct Acquiring {
     state: State,
 }
 
 impl Acquiring {
-    pub fn new(request: Request) -> Acquiring {
+    fn new(request: Request) -> Acquiring {
         Acquiring {
             state: State::Start(request),
         }
     }
 
-    /// The coroutine's result: the reservation's decision.
-    fn answer(py: Python<'_>, reservation: &Py<Reservation>) -> PyErr {
-        PyStopIteration::new_err((reservation.get().decision.clone_ref(py),))
+    /// The coroutine of a wait for permits (`ConcurrencyLimiter.acquire_async`,
+    /// `acquire_all_async` with permits), then `goal`.
+    pub fn queued(waits: Waits, goal: Goal) -> Acquiring {
+        Acquiring::new(Request::Permits(Box::new(Queue { waits, goal })))
     }
 
     /// One step: `send(value)` when `thrown` is `None`, else `throw`.
@@ -911,42 +743,181 @@ impl Acquiring {
         value: Py<PyAny>,
         thrown: Option<PyErr>,
     ) -> PyResult<Py<PyAny>> {
-        let (reservation, sleep) = match std::mem::replace(&mut self.state, State::Done) {
-            State::Done => {
-                return Err(thrown.unwrap_or_else(|| {
-                    PyRuntimeError::new_err("cannot reuse an already awaited acquire_async()")
-                }))
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::Done => Err(thrown.unwrap_or_else(|| {
+                PyRuntimeError::new_err("cannot reuse an already awaited acquire_async()")
+            })),
+            State::Start(request) => match thrown {
+                Some(error) => Err(error), // cancelled before it took anything
+                None => self.start(py, request),
+            },
+            State::Waiting { awaiting, holding } => {
+                let forwarded = forward(py, &awaiting, value, thrown);
+                self.hold(py, forwarded, awaiting, holding)
             }
-            State::Start(request) => {
-                if let Some(error) = thrown {
-                    return Err(error); // cancelled before it took anything
-                }
-                let (reservation, left) = request.reserve(py)?;
-                if left == Some(0) {
-                    return Err(Acquiring::answer(py, &reservation));
-                }
-                let clock = reservation.get().parts[0].clock();
-                let sleep = match start_sleep(py, clock, left) {
-                    Ok(sleep) => sleep,
-                    Err(error) => {
-                        reservation.get().cancel(py)?;
-                        return Err(error);
-                    }
-                };
-                (reservation, sleep)
+        }
+    }
+
+    /// The first step: takes what the request asks for.
+    fn start(&mut self, py: Python<'_>, request: Request) -> PyResult<Py<PyAny>> {
+        let made = match request {
+            Request::Permits(queue) => return self.queue(py, queue),
+            Request::Held(reservation) => {
+                let left = reservation.get().left(py)?;
+                return self.sleep(py, reservation, left, Answer::Decision);
             }
-            State::Waiting { reservation, sleep } => (reservation, sleep),
+            Request::Tokens {
+                limiter,
+                key,
+                cost,
+                max_wait,
+            } => reserve_one(py, limiter.bind(py), key.bind(py), cost, max_wait)?,
+            Request::All { checks, max_wait } => {
+                reserve_checks(py, &checks.bind(py).buckets, max_wait)?
+            }
         };
-        match forward(py, &sleep, value, thrown) {
+        // Made just now: all of its delay is left.
+        let left = made.delay;
+        self.sleep(py, Py::new(py, made)?, left, Answer::Decision)
+    }
+
+    /// What became of a step of the awaitable it waits on: yields on (still
+    /// holding what it holds), goes on once the wait is over, gives back on
+    /// a failure or a cancellation.
+    fn hold(
+        &mut self,
+        py: Python<'_>,
+        forwarded: Forwarded,
+        awaiting: Py<PyAny>,
+        holding: Holding,
+    ) -> PyResult<Py<PyAny>> {
+        match forwarded {
             Forwarded::Yielded(yielded) => {
-                self.state = State::Waiting { reservation, sleep };
+                self.state = State::Waiting { awaiting, holding };
                 Ok(yielded)
             }
-            Forwarded::Finished => Err(Acquiring::answer(py, &reservation)),
             Forwarded::Failed(error) => {
-                reservation.get().cancel(py)?;
+                holding.give_back(py);
                 Err(error)
             }
+            Forwarded::Finished => match holding {
+                Holding::Queue { queue, timer } => {
+                    cancel_timer(py, timer);
+                    self.queue(py, queue)
+                }
+                Holding::Reservation {
+                    reservation,
+                    answer,
+                } => Err(answered(py, reservation, answer)),
+            },
+        }
+    }
+
+    /// Runs rounds of the wait for permits until one sleeps (then yields what
+    /// its sleep yields) or the wait is over.
+    fn queue(&mut self, py: Python<'_>, mut queue: Box<Queue>) -> PyResult<Py<PyAny>> {
+        let waits = &mut queue.waits;
+        loop {
+            let mut wake = Wake::task(py, waits.clock());
+            let seconds = match waits.round(py, &mut wake) {
+                Ok(Round::Sleep(seconds)) => seconds,
+                Ok(Round::Done(outcome)) => return self.after_wait(py, &queue, outcome),
+                Err(error) => {
+                    waits.abandon(py);
+                    return Err(error);
+                }
+            };
+            let (awaiting, timer) = match wake.start_task_sleep(py, seconds) {
+                Ok(started) => started,
+                Err(error) => {
+                    waits.abandon(py);
+                    return Err(error);
+                }
+            };
+            match forward(py, &awaiting, py.None(), None) {
+                Forwarded::Finished => cancel_timer(py, timer), // woken already: look again
+                forwarded => {
+                    let holding = Holding::Queue { queue, timer };
+                    return self.hold(py, forwarded, awaiting, holding);
+                }
+            }
+        }
+    }
+
+    /// The wait for permits is over: answers the permit (or its refusal), or
+    /// goes on to the tokens.
+    fn after_wait(
+        &mut self,
+        py: Python<'_>,
+        queue: &Queue,
+        outcome: Outcome,
+    ) -> PyResult<Py<PyAny>> {
+        let checks = match &queue.goal {
+            Goal::Permit => {
+                let (Ok(mut permit) | Err(mut permit)) = outcome;
+                return Err(PyStopIteration::new_err((permit.pop(),)));
+            }
+            Goal::All(checks) => checks.bind(py),
+        };
+        let reservation = after_permits(py, &checks, outcome, &queue.waits)?;
+        let left = reservation.delay;
+        self.sleep(py, Py::new(py, reservation)?, left, Answer::Reservation)
+    }
+
+    /// Holds the reservation until its tokens are ready (`left`), sleeping
+    /// on its first check's clock; answers at once when there is no wait (or
+    /// it is a refusal, which holds nothing).
+    fn sleep(
+        &mut self,
+        py: Python<'_>,
+        reservation: Py<Reservation>,
+        left: Wait,
+        answer: Answer,
+    ) -> PyResult<Py<PyAny>> {
+        if left == Some(0) || !reservation.get().granted(py) {
+            return Err(answered(py, reservation, answer));
+        }
+        let started = start_sleep(py, reservation.get().parts[0].clock(), left);
+        let holding = Holding::Reservation {
+            reservation,
+            answer,
+        };
+        match started {
+            Ok(awaiting) => {
+                let forwarded = forward(py, &awaiting, py.None(), None);
+                self.hold(py, forwarded, awaiting, holding)
+            }
+            Err(error) => {
+                holding.give_back(py);
+                Err(error)
+            }
+        }
+    }
+
+    /// Stops waiting (closed, collected, dropped): gives back what it holds
+    /// or waits for, as a cancellation does.
+    fn stop(&mut self, py: Python<'_>) {
+        if let State::Waiting { awaiting, holding } =
+            std::mem::replace(&mut self.state, State::Done)
+        {
+            let _ = awaiting.call_method0(py, "close");
+            holding.give_back(py);
+        }
+    }
+}
+
+/// The coroutine's result, as `StopIteration`.
+fn answered(py: Python<'_>, reservation: Py<Reservation>, answer: Answer) -> PyErr {
+    match answer {
+        Answer::Decision => PyStopIteration::new_err((reservation.get().decision.clone_ref(py),)),
+        Answer::Reservation => PyStopIteration::new_err((reservation,)),
+    }
+}
+
+impl Drop for Acquiring {
+    fn drop(&mut self) {
+        if matches!(self.state, State::Waiting { .. }) {
+            Python::attach(|py| self.stop(py));
         }
     }
 }
@@ -983,36 +954,27 @@ impl Acquiring {
         self.step(py, py.None(), Some(error))
     }
 
-    /// Stops waiting: the tokens go back, as for a cancellation.
-    fn close(&mut self, py: Python<'_>) -> PyResult<()> {
-        if let State::Waiting { reservation, sleep } =
-            std::mem::replace(&mut self.state, State::Done)
-        {
-            let _ = sleep.bind(py).call_method0("close");
-            reservation.get().cancel(py)?;
-        }
-        Ok(())
+    /// Stops waiting: it gives back what it holds or waits for.
+    fn close(&mut self, py: Python<'_>) {
+        self.stop(py);
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         match &self.state {
-            State::Waiting { reservation, sleep } => {
-                visit.call(reservation)?;
-                visit.call(sleep)?;
+            State::Start(Request::Tokens { limiter, .. }) => visit.call(limiter),
+            State::Start(Request::All { checks, .. }) => checks.visit(&visit),
+            State::Start(Request::Held(reservation)) => visit.call(reservation),
+            State::Start(Request::Permits(queue)) => queue.visit(&visit),
+            State::Waiting { awaiting, holding } => {
+                visit.call(awaiting)?;
+                holding.visit(&visit)
             }
-            State::Start(Request::One { limiter, .. }) => visit.call(limiter)?,
-            State::Start(Request::All { checks, .. }) => {
-                for (limiter, _, _) in checks {
-                    visit.call(limiter)?;
-                }
-            }
-            State::Start(Request::Held(reservation)) => visit.call(reservation)?,
-            State::Done => {}
+            State::Done => Ok(()),
         }
-        Ok(())
     }
 
+    /// Collected in a cycle: stops waiting first (nothing left held or queued).
     fn __clear__(&mut self) {
-        self.state = State::Done;
+        Python::attach(|py| self.stop(py));
     }
 }

@@ -2,9 +2,7 @@
 //! (and core errors to exceptions, in one `match`), the `Decision` class, the
 //! `TokenBucketLimiter` class's state, and the `ConcurrencyLimiter` and
 //! `Permit` classes' state (a reservation releases its permits too).
-//! `py.rs` holds the token bucket's methods, `py_reserve.rs` its
-//! reservations, `py_concurrency.rs` the permits' methods and waiting; they
-//! import this module, and `py_concurrency.rs` also `py_reserve.rs`.
+//! The other binding modules import it (docs/design.md §8 has their order).
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,7 +21,7 @@ use crate::clock;
 use crate::concurrency::{self, Answer, Woken};
 use crate::error::Error;
 use crate::rate::{Config, Number};
-use crate::registry::Registry;
+use crate::registry::{self, Combinable, Registry};
 
 impl From<Error> for PyErr {
     fn from(error: Error) -> PyErr {
@@ -156,6 +154,51 @@ pub(crate) fn read_clock(py: Python<'_>, clock: Option<&Py<PyAny>>) -> PyResult<
         None => Ok(clock::monotonic_micros()),
         Some(clock) => clock_micros(&clock.bind(py).call0()?),
     }
+}
+
+/// A `max_wait` / `timeout`: `None` or `inf` for no limit, else seconds >= 0
+/// as an int or float, in microseconds by the clock's rounding (§4).
+pub(crate) fn max_wait(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Wait> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    let bad = || {
+        PyValueError::new_err(format!(
+            "{name} must be a number of seconds >= 0 or None, got {}",
+            repr(obj)
+        ))
+    };
+    if let Ok(float) = obj.cast::<PyFloat>() {
+        let x = float.value();
+        if x.is_nan() || x < 0.0 {
+            return Err(bad());
+        }
+        // Beyond the clock's range is as good as no limit.
+        return Ok(clock::float_seconds_to_micros(x)
+            .ok()
+            .map(|micros| micros as u128));
+    }
+    if obj.is_instance_of::<PyBool>() {
+        return Err(PyTypeError::new_err(format!(
+            "{name} must be an int, float or None, got bool"
+        )));
+    }
+    let whole = integer(obj, name).map_err(|e| {
+        if e.is_instance_of::<PyTypeError>(obj.py()) {
+            PyTypeError::new_err(format!(
+                "{name} must be an int, float or None, got {}",
+                type_name(obj)
+            ))
+        } else {
+            e
+        }
+    })?;
+    if whole < 0 {
+        return Err(bad());
+    }
+    Ok(clock::int_seconds_to_micros(whole)
+        .ok()
+        .map(|micros| micros as u128))
 }
 
 /// A cost argument: checked for type here, for value by the core.
@@ -325,6 +368,15 @@ impl Decision {
         self.allowed
     }
 
+    /// Several decisions as one, by the rule of `allow_all`; degraded if any is.
+    pub(crate) fn combined(decisions: &[Decision]) -> Decision {
+        let degraded = decisions.iter().any(|d| d.degraded);
+        Decision {
+            degraded,
+            ..registry::combine(decisions)
+        }
+    }
+
     fn fields(&self) -> (bool, f64, u64, f64, u64, bool) {
         (
             self.allowed,
@@ -334,6 +386,37 @@ impl Decision {
             self.limit,
             self.degraded,
         )
+    }
+}
+
+/// The binding's decisions follow the rule of `allow_all` too (`_core.combine`).
+impl Combinable for Decision {
+    type Wait = f64;
+    const NO_WAIT: f64 = 0.0;
+
+    fn allowed(&self) -> bool {
+        self.allowed
+    }
+
+    fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    fn retry_after(&self) -> f64 {
+        self.retry_after
+    }
+
+    /// Never NaN (checked when built): `inf`, never, is the longest.
+    fn longer(a: f64, b: f64) -> f64 {
+        a.max(b)
+    }
+
+    fn answering(&self, allowed: bool, retry_after: f64) -> Decision {
+        Decision {
+            allowed,
+            retry_after,
+            ..*self
+        }
     }
 }
 

@@ -842,31 +842,73 @@ fn longest(a: Wait, b: Wait) -> Wait {
     Some(a?.max(b?))
 }
 
-/// One decision for several buckets: allowed if all allow; `retry_after` the
-/// longest among the refusals; the rest from the bucket with the fewest
-/// remaining tokens (the first on a tie). The binding combines a call's
-/// permits with its buckets by the same rule.
+/// A decision as the rule of `allow_all` ([`combine`]) sees it: the core's
+/// (waits in µs) and the binding's (waits in seconds, as Python holds them)
+/// follow the one rule.
+pub trait Combinable {
+    /// A wait; the longest is never.
+    type Wait: Copy;
+    /// The wait of a call that is allowed.
+    const NO_WAIT: Self::Wait;
+    fn allowed(&self) -> bool;
+    fn remaining(&self) -> u64;
+    fn retry_after(&self) -> Self::Wait;
+    /// The longer of two waits.
+    fn longer(a: Self::Wait, b: Self::Wait) -> Self::Wait;
+    /// This decision, answering for the whole call: its own fields but these two.
+    #[must_use]
+    fn answering(&self, allowed: bool, retry_after: Self::Wait) -> Self;
+}
+
+impl Combinable for Decision {
+    type Wait = Wait;
+    const NO_WAIT: Wait = Some(0);
+
+    fn allowed(&self) -> bool {
+        self.allowed
+    }
+
+    fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    fn retry_after(&self) -> Wait {
+        self.retry_after
+    }
+
+    fn longer(a: Wait, b: Wait) -> Wait {
+        longest(a, b)
+    }
+
+    fn answering(&self, allowed: bool, retry_after: Wait) -> Decision {
+        Decision {
+            allowed,
+            retry_after,
+            ..*self
+        }
+    }
+}
+
+/// One decision for several checks, the rule of `allow_all` (docs/design.md
+/// §2): allowed if all allow; `retry_after` the longest among the refusals;
+/// the rest from the one with the fewest remaining (the first on a tie).
+/// `_core.combine` answers by it for the Redis limiters.
 ///
 /// # Panics
 /// Given no decision.
 #[must_use]
-pub fn combine(decisions: &[Decision]) -> Decision {
-    let allowed = decisions.iter().all(|d| d.allowed);
+pub fn combine<D: Combinable>(decisions: &[D]) -> D {
+    let allowed = decisions.iter().all(D::allowed);
     // min_by_key keeps the first of equal minima.
-    let tightest = *decisions
+    let tightest = decisions
         .iter()
-        .min_by_key(|d| d.remaining)
-        .expect("allow_all checks at least one bucket");
+        .min_by_key(|d| d.remaining())
+        .expect("a call checks at least one limiter");
     let retry_after = decisions
         .iter()
-        .filter(|d| !d.allowed)
-        // None (never) is the longest wait of all: it ends the fold.
-        .try_fold(0, |longest, d| d.retry_after.map(|wait| longest.max(wait)));
-    Decision {
-        allowed,
-        retry_after,
-        ..tightest
-    }
+        .filter(|d| !d.allowed())
+        .fold(D::NO_WAIT, |longest, d| D::longer(longest, d.retry_after()));
+    tightest.answering(allowed, retry_after)
 }
 
 #[cfg(test)]
@@ -896,6 +938,28 @@ mod tests {
             proptest::prop_assert_eq!(same_key(&a, &b), a == b);
             proptest::prop_assert!(same_key(&a, &a));
         }
+    }
+
+    #[test]
+    fn combine_takes_the_fewest_remaining_and_the_longest_refusal() {
+        let decision = |allowed, retry_after, remaining, limit| Decision {
+            allowed,
+            retry_after,
+            remaining,
+            reset_after: Some(7),
+            limit,
+        };
+        let first = decision(true, Some(0), 1, 4);
+        let refused = decision(false, Some(9), 1, 8);
+        let never = decision(false, None, 5, 5);
+        assert_eq!(combine(&[first, refused]), decision(false, Some(9), 1, 4));
+        assert_eq!(
+            combine(&[refused, never]).retry_after,
+            None,
+            "never is the longest"
+        );
+        assert_eq!(combine(&[first, never]).limit, 4, "the fewest remaining");
+        assert_eq!(combine(&[first]), first);
     }
 
     #[test]

@@ -211,14 +211,14 @@ def acquire_all(checks: Iterable[tuple[Any, ...]], cost: Any = 1, *, timeout: An
 @overload  # token buckets alone (the next overload: with concurrency limiters)
 def acquire_all_async(  # type: ignore[overload-overlap]
     checks: Iterable[Check], cost: SupportsIndex = 1, *, timeout: float | None = None
-) -> _core.Acquiring: ...
+) -> _core.Acquiring[Decision]: ...
 @overload
 def acquire_all_async(
     checks: Iterable[Check | PermitCheck],
     cost: SupportsIndex = 1,
     *,
     timeout: float | None = None,
-) -> _core.AcquiringPermit[Reservation]: ...
+) -> _core.Acquiring[Reservation]: ...
 @overload
 def acquire_all_async(  # type: ignore[overload-overlap]
     checks: Iterable[AsyncRedisCheck], cost: SupportsIndex = 1, *, timeout: float | None = None

@@ -10,7 +10,6 @@ __all__ = [
     "MAX_DEBT_CAPACITIES",
     "MAX_KEY_BYTES",
     "Acquiring",
-    "AcquiringPermit",
     "ConcurrencyLimiter",
     "Decision",
     "Leases",
@@ -25,6 +24,7 @@ __all__ = [
     "check_cost",
     "check_key",
     "clock_to_micros",
+    "combine",
     "exact_units",
     "observation_cap",
     "reserve_all",
@@ -131,7 +131,7 @@ class TokenBucketLimiter:
         the wait would exceed ``timeout`` seconds."""
     def acquire_async(
         self, key: str, cost: SupportsIndex = 1, *, timeout: float | None = None
-    ) -> Acquiring:
+    ) -> Acquiring[Decision]:
         """``acquire`` for asyncio (a coroutine); a cancelled waiter gives its tokens back."""
     def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """Records use that already happened: any cost >= 1, debt allowed."""
@@ -251,7 +251,7 @@ class Reservation:
         reservation was made, on its limiter's clock (its ``sleep`` when it has one).
         Returns ``decision``; at once for a refusal. An exception while waiting
         cancels the reservation before it propagates."""
-    def wait_async(self) -> Acquiring:
+    def wait_async(self) -> Acquiring[Decision]:
         """``wait`` for asyncio (a coroutine answering ``decision``); cancelled while
         it sleeps, it cancels the reservation."""
     def cancel(self) -> None:
@@ -267,13 +267,16 @@ class Reservation:
         """
 
 @final
-class Acquiring(Coroutine[Any, Any, Decision]):
-    """The coroutine of ``acquire_async``, ``acquire_all_async`` and
-    ``Reservation.wait_async``: ``await`` it, or give it to ``asyncio.create_task`` /
-    ``asyncio.wait_for``."""
+class Acquiring(Coroutine[Any, Any, _Answer], Generic[_Answer]):
+    """The coroutine of every ``acquire_async``: ``TokenBucketLimiter.acquire_async``,
+    ``acquire_all_async`` and ``Reservation.wait_async`` (answering the ``Decision``,
+    or with concurrency limiters among the checks the ``Reservation``) and
+    ``ConcurrencyLimiter.acquire_async`` (the ``Permit``). ``await`` it, or give it to
+    ``asyncio.create_task`` / ``asyncio.wait_for``. Cancelled, closed or collected
+    while it waits, it gives back what it holds or waits for."""
 
-    def __await__(self) -> Generator[Any, None, Decision]: ...
-    def __iter__(self) -> Acquiring: ...
+    def __await__(self) -> Generator[Any, None, _Answer]: ...
+    def __iter__(self) -> Acquiring[_Answer]: ...
     def __next__(self) -> Any: ...
     def send(self, value: Any, /) -> Any: ...
     def throw(self, error: Any, value: Any = None, traceback: Any = None, /) -> Any: ...
@@ -303,7 +306,7 @@ class ConcurrencyLimiter:
     def acquire(self, key: str, *, timeout: float | None = None) -> Permit:
         """Blocks (GIL released) until a permit is handed to it, in arrival order; a
         refusal (falsy) as soon as ``timeout`` seconds have passed."""
-    def acquire_async(self, key: str, *, timeout: float | None = None) -> AcquiringPermit[Permit]:
+    def acquire_async(self, key: str, *, timeout: float | None = None) -> Acquiring[Permit]:
         """``acquire`` for asyncio (a coroutine); cancelled while it waits, it leaves the
         queue and holds nothing."""
     def in_flight(self, key: str) -> int:
@@ -364,18 +367,6 @@ class Permit:
         /,
     ) -> Awaitable[None]: ...
 
-@final
-class AcquiringPermit(Coroutine[Any, Any, _Answer], Generic[_Answer]):
-    """The coroutine of ``ConcurrencyLimiter.acquire_async`` (answering the ``Permit``)
-    and of ``acquire_all_async`` with concurrency limiters (the ``Reservation``)."""
-
-    def __await__(self) -> Generator[Any, None, _Answer]: ...
-    def __iter__(self) -> AcquiringPermit[_Answer]: ...
-    def __next__(self) -> Any: ...
-    def send(self, value: Any, /) -> Any: ...
-    def throw(self, error: Any, value: Any = None, traceback: Any = None, /) -> Any: ...
-    def close(self) -> None: ...
-
 # With concurrency limiters among the checks, allow_all, acquire_all and
 # acquire_all_async answer the Reservation holding their permits.
 @overload  # token buckets alone: the Decision (the second overload is the Reservation)
@@ -405,14 +396,14 @@ def acquire_all(
 @overload  # token buckets alone (the next overload: with concurrency limiters)
 def acquire_all_async(  # type: ignore[overload-overlap]
     checks: Iterable[_Check], cost: SupportsIndex = 1, *, timeout: float | None = None
-) -> Acquiring: ...
+) -> Acquiring[Decision]: ...
 @overload
 def acquire_all_async(
     checks: Iterable[_Check | _PermitCheck],
     cost: SupportsIndex = 1,
     *,
     timeout: float | None = None,
-) -> Coroutine[Any, Any, Reservation]: ...
+) -> Acquiring[Reservation]: ...
 def exact_units(
     capacity: SupportsIndex, rate: float | SupportsIndex, *, per: float | SupportsIndex = 1
 ) -> tuple[int, int, int]:
@@ -442,3 +433,10 @@ def check_charge(cost: object) -> int:
 
 def check_key(key: str) -> str:
     """Checks a key as the limiter does and returns it."""
+
+def combine(decisions: Iterable[Decision]) -> Decision:
+    """One decision for several, by the rule of ``allow_all``: allowed if all allow;
+    ``retry_after`` the largest among the refusing (0.0 when none refuses, ``math.inf``
+    when one never passes); ``remaining``, ``reset_after`` and ``limit`` from the one
+    with the fewest remaining (the first on a tie); ``degraded`` if any is. No decision
+    is a ``ValueError``, an item that is not a ``Decision`` a ``TypeError``."""

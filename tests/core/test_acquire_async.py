@@ -9,6 +9,7 @@ bucket never refills): the bucket then ends exactly where the model says.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import threading
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from bucketlimit import Decision, TokenBucketLimiter, acquire_all_async
+from bucketlimit import ConcurrencyLimiter, Decision, TokenBucketLimiter, acquire_all_async
 from bucketlimit.testing import ManualClock
 from tests.support.reference import Line, ReferenceLimiter, answer_of
 
@@ -145,6 +146,37 @@ def test_closing_the_coroutine_while_it_waits_gives_the_tokens_back() -> None:
         assert limiter.peek("k").retry_after == 1.0
         with pytest.raises(RuntimeError):
             waiting.send(None)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stop", ["close", "drop"])
+@pytest.mark.parametrize("kind", ["acquire_async", "wait_async", "acquire_all_async"])
+def test_a_coroutine_closed_or_dropped_while_it_sleeps_gives_back_what_it_holds(
+    kind: str, stop: str
+) -> None:
+    limiter, _ = frozen_limiter(1, 1)
+    limiter.allow("k")
+    inflight = ConcurrencyLimiter(1, ttl=600)
+
+    async def main() -> None:
+        waiting: Coroutine[Any, Any, object] | None
+        if kind == "acquire_async":
+            waiting = limiter.acquire_async("k")
+        elif kind == "wait_async":
+            waiting = limiter.reserve("k").wait_async()
+        else:  # holding the permit while it sleeps for the tokens
+            waiting = acquire_all_async([(limiter, "k"), (inflight, "k")])
+        waiting.send(None)  # reserved, now waiting on its sleep
+        assert limiter.peek("k").retry_after == 2.0
+        assert inflight.in_flight("k") == (kind == "acquire_all_async")
+        if stop == "close":
+            waiting.close()
+        else:
+            waiting = None
+            gc.collect()
+        assert limiter.peek("k").retry_after == 1.0, "the tokens it held are back"
+        assert inflight.in_flight("k") == 0, "the permit it held is released"
 
     asyncio.run(main())
 
