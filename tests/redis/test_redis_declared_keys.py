@@ -1,4 +1,4 @@
-"""Every key a script touches is a key it was given (docs/redis.md, "The scripts").
+"""Every key a script touches is a key it was given (python/bucketlimit/_redis/scripts.md).
 
 Redis's scripting contract asks that a script name every key it reads or writes in
 KEYS: Redis Cluster routes a script by them, Dragonfly refuses undeclared keys by
@@ -332,9 +332,6 @@ EXPECTED_KEYS = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True, reason="bucket.lua derives the lease hash and the permit sets from its keys"
-)
 def test_every_key_a_script_touches_is_declared_in_its_keys(
     redis_server: RedisServer, redis_client: redis.Redis, redis_url: str
 ) -> None:
