@@ -737,34 +737,35 @@ end
 -- The expiries of the permits held, earliest first.
 expiries = function(S)
   local flat = redis.call('ZRANGE', S.held, 0, -1, 'WITHSCORES')
-  local e = {}
+  local ends = {}
   for j = 2, #flat, 2 do
-    e[#e + 1] = tonumber(flat[j])
+    ends[#ends + 1] = tonumber(flat[j])
   end
-  return e
+  return ends
 end
 
--- When the k-th slot to free from now (0: the next) is sure to free, if no
--- holder releases or renews and every waiter handed one holds it its whole
--- ttl: each slot frees at its permit's expiry, then every ttl after
+-- When the k-th slot to free from now (0: the next) is sure to free (ends: the
+-- expiries of the permits held, earliest first), if no holder releases or
+-- renews and every waiter handed one holds it its whole ttl: each slot frees
+-- at its permit's expiry, then every ttl after
 -- (Entry::frees_at in src/concurrency.rs: the same binary search; when the
 -- expiries lie within one ttl the freeings are periodic, answered at once).
 -- Needs a permit held. Beyond 2^53 µs it answers 2^53 - 1.
-frees_at = function(e, k, ttl)
-  local m = #e
-  if e[m] - e[1] <= ttl then
-    return min(EXACT - 1, e[(k % m) + 1] + floor(k / m) * ttl)
+frees_at = function(ends, k, ttl)
+  local count_held = #ends
+  if ends[count_held] - ends[1] <= ttl then
+    return min(EXACT - 1, ends[(k % count_held) + 1] + floor(k / count_held) * ttl)
   end
   local wanted = k + 1
-  local lo, hi = e[1], min(EXACT - 1, e[m] + k * ttl)
+  local lo, hi = ends[1], min(EXACT - 1, ends[count_held] + k * ttl)
   while lo < hi do
     local mid = lo + floor((hi - lo) / 2)
     local freed = 0
-    for j = 1, m do
-      if mid < e[j] then
+    for j = 1, count_held do
+      if mid < ends[j] then
         break
       end
-      freed = freed + floor((mid - e[j]) / ttl) + 1
+      freed = freed + floor((mid - ends[j]) / ttl) + 1
       if freed >= wanted then
         break
       end
@@ -780,16 +781,16 @@ end
 
 -- The key as it stands (State::describe): the permits free, and the µs until
 -- every permit, the `waiting` waiters' included, is sure to be free.
-describe = function(S, e, waiting)
-  local m = #e
+describe = function(S, ends, waiting)
+  local count_held = #ends
   local drained = S.now
-  if m > 0 then
-    drained = e[m]
+  if count_held > 0 then
+    drained = ends[count_held]
     if waiting > 0 then
-      drained = max(drained, frees_at(e, waiting - 1, S.ttl) + S.ttl)
+      drained = max(drained, frees_at(ends, waiting - 1, S.ttl) + S.ttl)
     end
   end
-  return max(0, S.limit - m), max(0, drained - S.now)
+  return max(0, S.limit - count_held), max(0, drained - S.now)
 end
 
 -- A new permit held by member "token" or, handed to a waiter, "token name",
@@ -880,10 +881,10 @@ take = function(S, queue)
     local last = tonumber(redis.call('ZRANGE', S.held, -1, -1, 'WITHSCORES')[2])
     return {1, token, S.limit - S.count, max(0, last - S.now), 0}
   end
-  local e = expiries(S)
+  local ends = expiries(S)
   local waiting = redis.call('ZCARD', S.queue)
-  local _, reset = describe(S, e, waiting)
-  local wait = max(0, frees_at(e, waiting, S.ttl) - S.now)
+  local _, reset = describe(S, ends, waiting)
+  local wait = max(0, frees_at(ends, waiting, S.ttl) - S.now)
   if not queue then
     return {0, 0, 0, reset, wait}
   end
@@ -997,7 +998,7 @@ end
 permits_write = function()
   for j = 1, np do
     local S = P[j]
-    local e, waiting = S.expiries, S.waiting
+    local ends, waiting = S.expiries, S.waiting
     local answer
     if all_allowed or (queue_at ~= nil and j < queue_at) then
       if S.member then
@@ -1011,15 +1012,15 @@ permits_write = function()
       else
         local expiry = S.now + (all_allowed and delay or 0) + S.ttl
         local token = grant(S, expiry, nil)
-        local last = max(expiry, e[#e] or expiry)
+        local last = max(expiry, ends[#ends] or expiry)
         answer = {1, token, S.limit - S.count, max(0, last - S.now), 0}
       end
     elseif j == queue_at then
       answer = take(S, true)
     elseif S.member and queue_at == nil then
       answer = {free(S, S.member) and 5 or 0, 0, 0, 0, 0}
-    elseif #e < S.limit then
-      local remaining, reset = describe(S, e, waiting)
+    elseif #ends < S.limit then
+      local remaining, reset = describe(S, ends, waiting)
       if S.name then
         -- acquire_all takes its permits, then finds its tokens refused and
         -- releases them (src/py_concurrency.rs after_permits): each answers as
@@ -1028,8 +1029,8 @@ permits_write = function()
       end
       answer = {0, 0, remaining, reset, 0}
     else
-      local _, reset = describe(S, e, waiting)
-      answer = {-1, 0, 0, reset, max(0, frees_at(e, waiting, S.ttl) - S.now)}
+      local _, reset = describe(S, ends, waiting)
+      answer = {-1, 0, 0, reset, max(0, frees_at(ends, waiting, S.ttl) - S.now)}
     end
     answers[j] = answer
     keep(S)
@@ -1061,19 +1062,19 @@ elseif op == 'poll' or op == 'give-up' then
   if reply == nil and record and string.find(record, '^d ') then
     local place = redis.call('ZRANK', S.queue, S.name)
     if place ~= nil then
-      local e = expiries(S)
+      local ends = expiries(S)
       if op == 'poll' then
         redis.call('HSET', S.key, S.name, 'd ' .. int(S.now + S.lease))
         S.latest = max(S.latest, S.now + S.lease)
         S.dirty = true
-        reply = {2, 0, 0, 0, max(0, frees_at(e, place, S.ttl) - S.now)}
+        reply = {2, 0, 0, 0, max(0, frees_at(ends, place, S.ttl) - S.now)}
       else
         redis.call('ZREM', S.queue, S.name)
         redis.call('HDEL', S.key, S.name)
         S.queued, S.dirty = S.queued - 1, true
         local waiting = redis.call('ZCARD', S.queue)
-        local _, reset = describe(S, e, waiting)
-        reply = {0, 0, 0, reset, max(0, frees_at(e, waiting, S.ttl) - S.now)}
+        local _, reset = describe(S, ends, waiting)
+        reply = {0, 0, 0, reset, max(0, frees_at(ends, waiting, S.ttl) - S.now)}
       end
     end
   end
