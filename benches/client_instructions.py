@@ -49,10 +49,10 @@ if what in ("raw", "allow"):
     limiter = RedisTokenBucketLimiter(client, capacity, rate, prefix="ci:")
     if what == "raw":
         sha = limiter.allow("warm") and None
-        from bucketlimit._redis.script import Script, specialize
+        from bucketlimit._redis.script import limiter_script
         from bucketlimit import _core
         c, p, u = _core.exact_units(capacity, rate)
-        script = Script(specialize(RedisTokenBucketLimiter._script.source, c, u, p))
+        script = limiter_script(RedisTokenBucketLimiter._script.source, c, u, p)
         bucket = [f"ci:{{{k}}}:{k}".encode() for k in keys]
         run = lambda i: client.execute_command("EVALSHA", script.sha, 1, bucket[i % 1000])
     else:

@@ -140,19 +140,18 @@ def bucketlimit_rows(port: int, q: peers.Quota, loop: asyncio.AbstractEventLoop)
     rows = []
     client = peers.redis_client(port)
     try:
-        # The script and its per-limiter form live in bucketlimit._redis.script now
-        # (bucketlimit.redis no longer re-exports them).
-        from bucketlimit._redis.script import BUCKET_SCRIPT as _BUCKET_SCRIPT
-        from bucketlimit._redis.script import specialize as _specialize
+        # A limiter's own script is assembled in bucketlimit._redis.script (bucketlimit.redis
+        # does not re-export it).
+        from bucketlimit._redis.script import FRAGMENTS, limiter_script
     except ImportError as e:
         print(
             f"  note: bucketlimit.redis has no per-limiter script ({e}); its Redis rows are skipped"
         )
         return []
     capacity, per_micro, unit = _core.exact_units(q.capacity, q.rate, per=q.per)
-    # The script exactly as RedisTokenBucketLimiter sends it: its own form, the
+    # The script exactly as RedisTokenBucketLimiter sends it: its own, the
     # configuration written in, no argument for a cost of 1.
-    sha = client.script_load(_specialize(_BUCKET_SCRIPT.source, capacity, unit, per_micro))
+    sha = client.script_load(limiter_script(FRAGMENTS.source, capacity, unit, per_micro).source)
     commands_only = client.script_load(COMMANDS_ONLY)
     execute = client.execute_command
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import redis
 
+from benches.server_stats import own_form
 from bucketlimit import _core
 from bucketlimit.redis import RedisTokenBucketLimiter
 
@@ -125,18 +126,6 @@ def sent_by(
     return lambda key: tuple(limiter.redis_key(key) if a == mine else a for a in argv)
 
 
-def _own_form(template: str, capacity: int, unit: int, p: int) -> str:
-    """An older bucket.lua's own form: its line marked ``config`` given the three
-    numbers (that script read exactly three there), comment lines dropped."""
-    lines = []
-    for line in template.splitlines():
-        if line.rstrip().endswith("-- config"):
-            line = line.split("=", 1)[0] + f"= {capacity}, {unit}, {p}"
-        if line.strip() and not line.lstrip().startswith("--"):
-            lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=20_000, help="calls per row and round")
@@ -177,7 +166,7 @@ def main() -> None:
             rows: dict[str, Callable[[str], object]] = {}
             if options.before:
                 with open(options.before, encoding="utf-8") as f:
-                    old = _own_form(f.read(), capacity, unit, p)
+                    old = own_form(f.read(), capacity, unit, p)
                 old_sha: str = client.script_load(old)
 
                 def before_argv(key: str) -> tuple[Any, ...]:

@@ -80,7 +80,7 @@ from benches.server_stats import (
     start_server,
 )
 from bucketlimit import _core
-from bucketlimit._redis.script import BUCKET_SCRIPT, specialize
+from bucketlimit._redis.script import FRAGMENTS, limiter_script
 from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimiter
 
 TRIVIAL = "return 1"
@@ -124,7 +124,7 @@ def rotate(items: list[Any], rep: int) -> list[Any]:
 
 
 def config(q: peers.Quota) -> tuple[int, int, int]:
-    """bucket.lua's (capacity, unit, p) for a quota, as the limiter computes them."""
+    """A limiter's (capacity, unit, p) for a quota, as it computes them."""
     capacity, per_micro, unit = _core.exact_units(q.capacity, q.rate, per=q.per)
     return capacity, unit, per_micro
 
@@ -203,9 +203,9 @@ def server_rows(port: int, cell: bool) -> list[ServerRow]:
             rows.append(ServerRow(name, workload, allow, allowed, [prefix + k for k in keys], top))
 
         add("trivial EVALSHA (return 1)", lambda _k: execute("EVALSHA", trivial, 0), bool)
-        sha = c.script_load(specialize(BUCKET_SCRIPT.source, *config(q)))
-        # The call RedisTokenBucketLimiter sends for allow(key): its own form of the
-        # script, one key, no argument.
+        sha = c.script_load(limiter_script(FRAGMENTS.source, *config(q)).source)
+        # The call RedisTokenBucketLimiter sends for allow(key): its own script, one
+        # key, no argument.
         add(
             "bucketlimit script (the limiter's EVALSHA, raw)",
             lambda k, sha=sha: execute("EVALSHA", sha, 1, k),
@@ -216,7 +216,7 @@ def server_rows(port: int, cell: bool) -> list[ServerRow]:
         # Every refusal asked of the server (the cache would answer them locally).
         add("bucketlimit RedisTokenBucketLimiter.allow, no refusal cache", limiter.allow, bool)
         for n in PER_CALL:
-            # Shared round trips: one script deciding n allows (bucket.lua's mode 'm').
+            # Shared round trips: one script deciding n allows (a batch, scripts.md).
             add(f"{BATCHED}: allow_many, {n} per call", limiter.allow, bool, prefix=f"many{n}:")
             rows[-1].per_call, rows[-1].many = n, limiter.allow_many  # type: ignore[assignment]
         for label, factory in [
@@ -340,7 +340,7 @@ def client_section(port: int, s: Settings) -> dict[str, Any]:
             c, ALLOWED.capacity, ALLOWED.rate, per=ALLOWED.per,
             on_store_error="raise",
         )  # fmt: skip
-        sha = c.script_load(specialize(BUCKET_SCRIPT.source, *config(ALLOWED)))
+        sha = c.script_load(limiter_script(FRAGMENTS.source, *config(ALLOWED)).source)
         evalsha, execute = c.evalsha, c.execute_command
         rows: dict[str, Callable[[str], object]] = {
             "trivial EVALSHA through the same client": lambda _k: evalsha(trivial, 0),

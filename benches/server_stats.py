@@ -196,3 +196,16 @@ def sample(
             batches=batches,
         )
     return out
+
+
+def own_form(template: str, capacity: int, unit: int, p: int) -> str:
+    """An older bucket.lua's (or a study variant's) own form for one limiter: its line
+    marked ``config`` given the three numbers (those scripts read exactly three
+    there), comment lines dropped."""
+    lines = []
+    for line in template.splitlines():
+        if line.rstrip().endswith("-- config"):
+            line = line.split("=", 1)[0] + f"= {capacity}, {unit}, {p}"
+        if line.strip() and not line.lstrip().startswith("--"):
+            lines.append(line)
+    return "\n".join(lines) + "\n"

@@ -1,6 +1,6 @@
 //! One bucket's state and arithmetic (docs/design.md §4). No locks, no Python.
 //!
-//! Must match `python/bucketlimit/_redis/bucket.lua`: same units, same
+//! Must match `python/bucketlimit/_redis/scripts.lua`: same units, same
 //! rounding, so both backends answer identically on the same trace.
 
 use crate::rate::Config;

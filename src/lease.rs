@@ -207,7 +207,8 @@ impl Ledger {
 
     /// The store granted `key` a lease (its renewal is over); `holders`: the
     /// leases of the key it counts now. A lease with tokens left after its
-    /// first call is one the store recorded (bucket.lua, mode `'l'`).
+    /// first call is one the store recorded (a `lease` call of the limiter's
+    /// script, python/bucketlimit/_redis/scripts.md).
     pub fn grant(&self, key: &str, lease: Lease, holders: u32) {
         let mut guard = self.table.lock();
         let table = &mut *guard;

@@ -14,9 +14,8 @@ import redis
 
 from benches import peers
 from benches.script_study.pieces import ABLATIONS, BASE, PIECES, Piece, arguments, stored
-from benches.server_stats import Summary, client, load, sample, start_server
+from benches.server_stats import Summary, client, load, own_form, sample, start_server
 from bucketlimit import _core
-from bucketlimit._redis.script import specialize
 
 HERE = Path(__file__).resolve().parent
 KEYS = [f"study:{i:04d}" for i in range(1000)]
@@ -132,7 +131,7 @@ class Form:
     template: str  # bucket.lua or a variant, with the "-- config" line
 
     def source(self, capacity: int, unit: int, p: int) -> str:
-        return specialize(self.template, capacity, unit, p)
+        return own_form(self.template, capacity, unit, p)
 
 
 CURRENT = "current bucket.lua"
@@ -253,7 +252,7 @@ def batch_subjects(c: redis.Redis, per_batch: int) -> tuple[Subjects, dict[str, 
     """batch.lua deciding 1, 8 and 64 allows per call (distinct keys of the mostly
     allowed quota), next to the current script's one."""
     template = (HERE / "batch.lua").read_text()
-    source = specialize(template, *config(peers.ALLOWED))
+    source = own_form(template, *config(peers.ALLOWED))
     sha = c.script_load(source)
     execute = c.execute_command
     subjects: Subjects = {}

@@ -591,9 +591,9 @@ def test_async_limiter_matches_in_process(redis_url: str) -> None:
         assert users.stats() == {
             "allowed": expected["allowed"],
             "refused": expected["refused"],
-            # allow_all is sent through the first limiter named. Its script (_redis/bucket.lua
-            # as written) is not the one limiter.allow loaded (the limiter's own form), so
-            # its first call met NOSCRIPT: one EVALSHA refused, one EVAL, one load.
+            # allow_all is sent through the first limiter named. Its script (the general
+            # one, _redis/scripts.md) is not the one limiter.allow loaded (the limiter's
+            # own), so its first call met NOSCRIPT: one EVALSHA refused, one EVAL, one load.
             "store_calls": 4,
             "script_loads": 1,
             "store_errors": 0,

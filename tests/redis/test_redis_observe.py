@@ -1,4 +1,4 @@
-"""observe() over Redis: bucket.lua's mode 'o' against the in-process limiter on one
+"""observe() over Redis: the script's ``observe`` against the in-process limiter on one
 ManualClock (the pattern of test_redis_parity.py), the asyncio class, and what an
 observe does when the store fails."""
 

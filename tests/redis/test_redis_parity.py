@@ -47,7 +47,7 @@ MICROS = 1_000_000
 def _pinned_source() -> str:
     source = RedisTokenBucketLimiter._script.source
     pinned = source.replace("local MIN_TTL_MS = 1\n", "local MIN_TTL_MS = 600000\n")
-    assert pinned != source, "_redis/bucket.lua no longer has the MIN_TTL_MS line"
+    assert pinned != source, "_redis/scripts.lua no longer has the MIN_TTL_MS line"
     return pinned
 
 

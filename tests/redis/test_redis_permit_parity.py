@@ -1,4 +1,4 @@
-"""Parity for permits: bucket.lua's permit part held to the in-process
+"""Parity for permits: the scripts' permit part held to the in-process
 ``ConcurrencyLimiter`` (src/concurrency.rs) on random traces (docs/design.md §4,
 "Permits").
 

@@ -528,7 +528,7 @@ def test_bad_input_is_rejected_and_changes_nothing(redis_client: redis.Redis) ->
 def test_the_script_knows_the_cores_debt_bound() -> None:
     source = RedisTokenBucketLimiter._script.source
     line = f"local MAX_DEBT_CAPACITIES = {bucketlimit.MAX_DEBT_CAPACITIES}\n"
-    assert line in source, "bucket.lua and src/bucket.rs must agree on the debt bound"
+    assert line in source, "scripts.lua and src/bucket.rs must agree on the debt bound"
 
 
 def test_the_debt_bound_follows_the_configuration(redis_client: redis.Redis) -> None:

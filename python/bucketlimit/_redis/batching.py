@@ -4,8 +4,8 @@ An allow asked while another of the same node's round trips is in flight waits,
 and the waiting allows go together in the next one (group commit). Each allow is
 its own ``flows.Allow``, waiting on its command; a *flight* (:func:`flight`) is a
 flow over all of them: it puts the commands that may share a round trip (one-key
-allows of the limiter's own form, of one hash slot and one ``now``, 256 at most)
-into one mode-'m' script, feeds each allow its part of the reply (or the error,
+allows of the limiter's own script, of one hash slot and one ``now``, 256 at most)
+into one batch of that script, feeds each allow its part of the reply (or the error,
 for each to answer by its own policy), and sends whatever else an allow asks one
 by one. So the one blocking driver and the one asyncio driver send flights as they
 send any flow.
@@ -16,8 +16,8 @@ send any flow.
   redirection storm is split: each allow leaves the flight and is sent alone by
   its own caller (side by side: each thread or task sends its own), answered as
   if it had never waited (issue 19 D5). So is an allow whose bucket has leases
-  out (bucket.lua leaves those to the one-key call; docs/design.md §6, "Hot
-  keys: leases").
+  out, which a batch does not read: it goes alone with the bucket's lease hash
+  (docs/design.md §6, "Hot keys: leases").
 - Before a batch goes, its breaker is asked again: opened meanwhile, nothing is
   sent and each allow gets the policy's answer (issue 19 D7).
 - An interruption of the thread that sends (KeyboardInterrupt) is that thread's:
@@ -51,7 +51,7 @@ from bucketlimit._redis.resilience import Breaker, fork_safe
 from bucketlimit._redis.script import MANY, NONE
 from bucketlimit._redis.state import LimiterState
 
-#: The most allows one shared round trip decides (bucket.lua's mode 'm'): a script
+#: The most allows one shared round trip decides (a batch, scripts.md): a script
 #: blocks the server while it runs, about 4-5 µs an allow, so 256 is about a
 #: millisecond; more waiting allows go in the next one.
 MAX_BATCH: Final = 256
@@ -96,8 +96,8 @@ def groups(state: LimiterState, pending: Sequence[Pending]) -> list[list[Pending
 
 def batch_command(state: LimiterState, group: Sequence[Pending]) -> Command:
     """The one command of a round trip: a lone command as it is; several allows as
-    the own form's mode 'm' over their keys in arrival order, at one now, the
-    costs in ARGV (none when all are 1)."""
+    a batch of the limiter's own script over their keys in arrival order, at one
+    now, the costs in ARGV (none when all are 1)."""
     commands: list[Any] = [member.command for _, member in group]
     first = commands[0]
     if len(commands) == 1:
@@ -203,10 +203,14 @@ def flight(
                         for k, item in enumerate(group):
                             index, member = item
                             value = reply[3 * k]
-                            if leased_bucket(value):  # nothing ran for it: sent alone
-                                alone.append(member)
-                                continue
                             answered += 1
+                            if leased_bucket(value):
+                                # Nothing ran for it: it goes alone, with the lease
+                                # hash (flows.resent).
+                                member.feed(value, thrown=True)
+                                if member.command is not None:
+                                    alone.append(member)
+                                continue
                             if isinstance(value, BaseException):  # its key holds no bucket
                                 member.feed(value, thrown=True)
                             else:

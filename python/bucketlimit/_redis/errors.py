@@ -299,8 +299,9 @@ _CORRUPT_REPLY: Final = "BUCKETLIMIT corrupt"
 
 
 def leased_bucket(error: BaseException) -> bool:
-    """A batch's error reply for one allow whose bucket has leases out (bucket.lua):
-    nothing ran for it, and it is sent again alone (docs/design.md §6, "Hot keys:
+    """The script's reply to a call on a bucket with leases out that did not name the
+    bucket's lease hash (scripts.md; for a batch, one allow's): nothing ran for it,
+    and it is sent again, alone, with the lease hash (docs/design.md §6, "Hot keys:
     leases")."""
     return isinstance(error, ResponseError) and str(error).startswith(_LEASED_REPLY)
 

@@ -39,6 +39,7 @@ from bucketlimit._redis.errors import (
     check_version,
     classify,
     configuration_error,
+    leased_bucket,
     read_only,
     store_error,
 )
@@ -65,6 +66,7 @@ from bucketlimit._redis.script import (
     SERVER_TIME,
     Mode,
     Script,
+    lease_hash,
 )
 from bucketlimit._redis.state import LimiterState, Store
 
@@ -95,7 +97,7 @@ class Command:
 
 class ScriptCommand(Command):
     """A script: by EVALSHA, or sent whole (EVAL) once the server said NOSCRIPT.
-    ``joins`` is ``(cost, now)`` for a one-key allow of a limiter's own form, which
+    ``joins`` is ``(cost, now)`` for a one-key allow of a limiter's own script, which
     a shared round trip may carry with others (``batching``)."""
 
     __slots__ = ("args", "joins", "script", "whole")
@@ -213,13 +215,18 @@ def resent(
     (the server lost its scripts: restart, failover, ``SCRIPT FLUSH``) it goes
     whole once, which is safe because it did not run; after a redirection storm
     (every node answered MOVED, ASK or TRYAGAIN: no attempt ran) the same command
-    goes once more (``redirected``: it went once more already). Nothing else is
+    goes once more (``redirected``: it went once more already); a call on a bucket
+    without its lease hash, which the script answers it does not read when the
+    bucket has leases out, goes once more with it (scripts.md). Nothing else is
     resent: a command that timed out may have run, and again could charge twice."""
     if isinstance(error, NoScriptError) and isinstance(command, ScriptCommand):
         if not command.whole:
             state.counters.event("script_loads")
             return command.sent_whole()
         return None
+    if isinstance(command, ScriptCommand) and len(command.keys) == 1 and leased_bucket(error):
+        keys = (command.keys[0], lease_hash(command.keys[0]))
+        return ScriptCommand(command.script, keys, command.args, whole=command.whole)
     if not redirected and isinstance(error, ClusterError) and classify(error) == REDIRECTED:
         return command
     return None
@@ -436,8 +443,9 @@ def decide(state: LimiterState, key: str, cost: object, *, peek: bool = False) -
             return cached
     breaker = state.breaker(bucket)
     gate = breaker.admit()
-    joins = None if peek else (cost, args[2] if len(args) > 2 else SERVER_TIME)
-    command = ScriptCommand(state.own, (bucket,), args, joins=joins)
+    keys = state.bucket_keys(bucket)
+    joins = None if peek or len(keys) > 1 else (cost, args[2] if len(args) > 2 else SERVER_TIME)
+    command = ScriptCommand(state.own, keys, args, joins=joins)
     return (yield from decided(state, key, cost, command, started, breaker, gate, peek=peek))
 
 
@@ -549,7 +557,7 @@ class Allow(Flowing):
 
     __slots__ = ("_cost", "_key", "_started", "_state", "argv", "joins", "keys")
 
-    #: As a command: what the drivers send (the own form by EVALSHA, one key).
+    #: As a command: what the drivers send (its own script by EVALSHA, one key).
     name = "execute_command"
     whole = False
     direct = False
@@ -650,7 +658,8 @@ def give_back(
     try:
         if gate is SKIP:
             raise Unanswered(None, 0)
-        _, sent = yield from ask(state, breaker, gate, ScriptCommand(state.own, [bucket], args))
+        command = ScriptCommand(state.own, state.bucket_keys(bucket), args)
+        _, sent = yield from ask(state, breaker, gate, command)
     except Unanswered as failure:
         lost(state, [(key, cost)], failure.error)
         not_given_back(state, failure, breaker, raises=state.policy == RAISE)
@@ -777,7 +786,8 @@ def one_bucket(
     try:
         if gate is SKIP:
             raise Unanswered(None, 0)
-        reply, sent = yield from ask(state, breaker, gate, ScriptCommand(state.own, [bucket], args))
+        command = ScriptCommand(state.own, state.bucket_keys(bucket), args)
+        reply, sent = yield from ask(state, breaker, gate, command)
     except Unanswered as failure:
         unanswered(state, failure, breaker)
         state.counters.add(failure.sent)
@@ -879,7 +889,8 @@ def reserve(
     try:
         if gate is SKIP:
             raise Unanswered(None, 0)
-        reply, sent = yield from ask(state, breaker, gate, ScriptCommand(state.own, [bucket], args))
+        command = ScriptCommand(state.own, state.bucket_keys(bucket), args)
+        reply, sent = yield from ask(state, breaker, gate, command)
     except Unanswered as failure:
         unanswered(state, failure, breaker)
         reserved = reserved_without_store([(state, key, cost)], wait)
@@ -952,20 +963,20 @@ def reserved_without_store(parts: Sequence[Part], max_wait: int | None) -> Reser
     return Reserved(reservation.decision, reservation.delay, lines, stored=False, local=reservation)
 
 
-# -- several buckets: the general form -----------------------------------------------
+# -- several buckets: the general script ---------------------------------------------
 
 #: One bucket of a call over several: its limiter's state, the key, the cost.
 Part = tuple[LimiterState, str, int]
 
-#: bucket.lua's 4 more values per bucket: a reservation's max_wait, or a give-back's
-#: line and the reservation's cost (none: all four empty).
+#: The general script's 4 more values per bucket: a reservation's max_wait, or a
+#: give-back's line and the reservation's cost (none: all four empty).
 NO_MORE: Final = (NONE, NONE, NONE, NONE)
 
 
 def general(parts: Sequence[Part], mode: Mode, more: Sequence[tuple[Any, ...]]) -> ScriptCommand:
-    """One general-form script over ``parts`` (checked already): per bucket its now,
-    configuration, cost and 4 more values (bucket.lua). On a cluster the keys must
-    share a hash slot: said before anything is sent."""
+    """The general script over ``parts`` (checked already): per bucket its key and
+    lease hash, and its now, configuration, cost and 4 more values (scripts.md). On
+    a cluster the keys must share a hash slot: said before anything is sent."""
     keys: list[bytes] = []
     args: list[Any] = [NONE, mode.value]
     for (state, key, cost), extra in zip(parts, more, strict=True):
@@ -977,7 +988,7 @@ def general(parts: Sequence[Part], mode: Mode, more: Sequence[tuple[Any, ...]]) 
                 f"the call names the Redis key {bucket!r} twice: limiters sharing a "
                 "client need different prefixes"
             )
-        keys.append(bucket)
+        keys += (bucket, lease_hash(bucket))
         sent = state.charged(cost) if mode is CHARGE else cost
         args += [state.now(), *state.config_args, sent, *extra]
     if parts[0][0].cluster:

@@ -1,13 +1,14 @@
 """Leases for hot keys (docs/design.md §6, "Hot keys: leases"; docs/redis.md).
 
 With ``lease=True`` a Redis limiter takes tokens of a key ahead of use: one script
-call (bucket.lua's mode ``'l'``) charges the shared bucket ``n`` tokens, exactly as an
-allow of ``n`` would (or, when the bucket is short, as a reservation of ``n`` waiting
-its turn), and records the lease with an expiry on the store's clock. ``allow()``
-for that key is then answered in process, from the lease, until it is spent or its
-period is over. While leases are out, their tokens lower the shared bucket's cap, so
-the bucket and every lease together never hold more than the capacity: the bound
-``capacity + rate * T`` holds for what every process uses, in every window.
+call (a ``lease`` of the limiter's script, scripts.md) charges the shared bucket
+``n`` tokens, exactly as an allow of ``n`` would (or, when the bucket is short, as a
+reservation of ``n`` waiting its turn), and records the lease with an expiry on the
+store's clock. ``allow()`` for that key is then answered in process, from the lease,
+until it is spent or its period is over. While leases are out, their tokens lower
+the shared bucket's cap, so the bucket and every lease together never hold more than
+the capacity: the bound ``capacity + rate * T`` holds for what every process uses,
+in every window.
 
 Here, apart from I/O:
 
@@ -38,7 +39,7 @@ from bucketlimit._core import Decision
 from bucketlimit._redis import flows
 from bucketlimit._redis.flows import Corrupt, Flow, ScriptCommand, Unanswered
 from bucketlimit._redis.resilience import SKIP, fork_safe
-from bucketlimit._redis.script import LEASE
+from bucketlimit._redis.script import LEASE, lease_hash
 from bucketlimit._redis.state import Counters, LimiterState
 
 logger = logging.getLogger("bucketlimit")
@@ -269,7 +270,7 @@ def renew(
     try:
         if gate is SKIP:
             raise Unanswered(None, 0)
-        command = ScriptCommand(state.own, [bucket], args)
+        command = ScriptCommand(state.own, [bucket, lease_hash(bucket)], args)
         reply, sent = yield from flows.ask(state, breaker, gate, command)
         renewed = True
     except Unanswered as failure:
@@ -311,7 +312,7 @@ def renewed_lease(
     unused: int,
     started: float,
 ) -> Decision:
-    """The store's answer to a renewal (``reply``: bucket.lua's mode ``'l'``): the new
+    """The store's answer to a renewal (``reply``: a ``lease``'s, scripts.md): the new
     lease in the ledger (which frees the key), and this call's decision."""
     ledger = leases.ledger
     received = ledger.now()
@@ -358,7 +359,7 @@ def give_back(state: LimiterState, leases: LeaseState, key: str, unused: int) ->
     try:
         if gate is SKIP:
             raise Unanswered(None, 0)
-        command = ScriptCommand(state.own, [bucket], args)
+        command = ScriptCommand(state.own, [bucket, lease_hash(bucket)], args)
         reply, sent = yield from flows.ask(state, breaker, gate, command)
     except (Unanswered, Corrupt) as failure:
         state.counters.leased(failure.sent, expired=unused)

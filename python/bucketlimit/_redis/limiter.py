@@ -35,7 +35,7 @@ from bucketlimit._redis.resilience import (
     check_processes,
     check_retry_interval,
 )
-from bucketlimit._redis.script import BUCKET_SCRIPT, LUA_EXACT, Script
+from bucketlimit._redis.script import FRAGMENTS, LUA_EXACT, Script
 from bucketlimit._redis.state import LimiterState, default_prefix
 from bucketlimit._stats import RedisLimiterStats
 
@@ -100,12 +100,12 @@ class RedisLimiter(Generic[C]):
     of each installed library, see ``bucketlimit._redis.clients``; ``_other``: the
     class for the other kind) and whether ``allow`` shares round trips by default.
     ``_shared_round_trips`` makes what shares ``allow``'s round trips when
-    batching. ``_script`` is the template the class runs, bucket.lua: a subclass may run a
-    variant of it (the parity tests raise its smallest TTL, the benchmarks' script
-    study times others); nothing else is meant to change it.
+    batching. ``_script`` holds the fragments the class's scripts are assembled from,
+    scripts.lua: a subclass may run a variant of it (the parity tests raise its
+    smallest TTL); nothing else is meant to change it.
     """
 
-    _script: ClassVar[Script] = BUCKET_SCRIPT
+    _script: ClassVar[Script] = FRAGMENTS
     _asyncio: ClassVar[bool]
     _other: ClassVar[str]
     _batching_default: ClassVar[bool]
@@ -169,6 +169,7 @@ class RedisLimiter(Generic[C]):
             retry_interval=check_retry_interval(retry_interval),
             refusal_cache=refusal_cache,
             name=f"{type(self).__name__}(prefix={prefix!r})",
+            leasing=policy is not None,
         )
         self._batching = batching
         self._shared = self._shared_round_trips(self._state) if batching else None

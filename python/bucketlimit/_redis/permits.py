@@ -1,16 +1,16 @@
 """Concurrency permits on Redis (docs/design.md §6, "Concurrency permits"), free of I/O.
 
-A key's permits live on the store, on the script's clock (the server's ``TIME``,
-or an injected clock), in the permit part of ``bucket.lua`` (its general form:
-the modes of a permit key alone, and permit keys next to buckets in the calls
-over several). They follow ``src/concurrency.rs``: at most ``limit`` unexpired
-permits per key, each expiring ``ttl`` after it was granted or renewed; waiters
-queue in the order the server ran their scripts and are handed the slots that
-free (a release, or an expiry a call noticed); every grant carries a fencing
+A key's permits live on the store, on the script's clock (the server's ``TIME``, or
+an injected clock), in the permit fragments of the general script (``scripts.lua``;
+scripts.md: the operations of a permit key alone, and permit keys next to buckets in
+the calls over several). They follow ``src/concurrency.rs``: at most ``limit``
+unexpired permits per key, each expiring ``ttl`` after it was granted or renewed;
+waiters queue in the order the server ran their scripts and are handed the slots
+that free (a release, or an expiry a call noticed); every grant carries a fencing
 token from the key's counter. This module holds what one limiter decides with
-(:class:`PermitState`), what a permit is (:class:`Held`, :class:`PermitHolder`),
-and every operation as a flow (``bucketlimit._redis.flows``), which the public
-classes (``bucketlimit._redis.concurrency``) drive:
+(:class:`PermitState`), what a permit is (:class:`Held`, :class:`PermitHolder`), and
+every operation as a flow (``bucketlimit._redis.flows``), which the public classes
+(``bucketlimit._redis.concurrency``) drive:
 
 - the limiter's own calls: :func:`take` (``try_acquire``), :func:`acquire` (a
   *waiting flow*: it also yields ``Wait`` and ``Local`` steps),
@@ -75,7 +75,7 @@ from bucketlimit._redis.resilience import (
 )
 from bucketlimit._redis.script import (
     ABANDON,
-    BUCKET_SCRIPT,
+    GENERAL,
     GIVE_UP,
     IN_FLIGHT,
     LUA_EXACT,
@@ -90,6 +90,7 @@ from bucketlimit._redis.script import (
     VALID,
     Mode,
     Script,
+    permit_keys,
 )
 from bucketlimit._redis.state import Breakers, Counters, StoreState
 from bucketlimit._redis.wakeups import POLL_WITHOUT_WAKEUPS, WaitHandle, Wakeups
@@ -112,7 +113,7 @@ MIN_LEASE_MICROS: Final = 2_000_000
 #: more often than this.
 MIN_POLL: Final = POLL_WITHOUT_WAKEUPS
 
-# The states of a permit in the script's replies (bucket.lua, "Permits").
+# The states of a permit in the script's replies (scripts.md).
 GRANTED: Final = 1  # granted now, held as "token"
 HANDED: Final = 3  # handed to the waiter, held as "token name"
 QUEUED: Final = 2  # queued; the reply's last value is the µs until a slot is sure to be its
@@ -326,7 +327,7 @@ class PermitState(StoreState):
         #: The seconds a waiter waits at least between two questions (real time).
         self.min_poll = 0.0 if callable(getattr(clock, "sleep", None)) else MIN_POLL
         self.keys = keys
-        self.script: Script = BUCKET_SCRIPT
+        self.script: Script = GENERAL
         self.name = name
         self.counters = Counters()
         self.policy: Policy = policy
@@ -392,7 +393,7 @@ class PermitState(StoreState):
     def args(
         self, member: str | None = None, name: str | None = None, extra: int = 0
     ) -> tuple[Any, ...]:
-        """A permit key's 9 values in the general form (bucket.lua, "Permits")."""
+        """A permit key's 9 values in the general script (scripts.md)."""
         return (
             self.now(),
             self.limit,
@@ -414,8 +415,9 @@ class PermitState(StoreState):
         name: str | None = None,
         extra: int = 0,
     ) -> ScriptCommand:
-        """A permit key alone: the general form, one key, ``mode``."""
-        return ScriptCommand(self.script, [key], (1, mode.value, *self.args(member, name, extra)))
+        """A permit key alone: the general script, its four keys, ``mode``."""
+        args = (1, mode.value, *self.args(member, name, extra))
+        return ScriptCommand(self.script, permit_keys(key), args)
 
     def held(self, key: str, reply: Any, name: str | None = None) -> Held:
         """A permit-alone reply ``{state, token, remaining, reset_after_us,
@@ -800,9 +802,9 @@ def combined_command(
     members: Sequence[str | None],
     names: Sequence[str | None],
 ) -> ScriptCommand:
-    """The general form over the buckets (as ``flows.general``) and then the permit
-    keys in ``order``, each with its member (a permit the call holds) or name (a
-    waiter queued there if it is busy). On a cluster every key must share one
+    """The general script over the buckets (as ``flows.general``) and then the permit
+    keys in ``order`` (each its four keys), each with its member (a permit the call
+    holds) or name (a waiter queued there if it is busy). On a cluster every key must share one
     slot: said before anything is sent."""
     script = permit_parts[0][0].script
     keys: list[bytes] = []
@@ -819,7 +821,7 @@ def combined_command(
                 f"the call names the Redis key {pkey!r} twice: limiters sharing a "
                 "client need different prefixes"
             )
-        keys.append(pkey)
+        keys += permit_keys(pkey)
         args += state.args(members[i], names[i])
     cluster = parts[0][0].cluster if parts else permit_parts[0][0].cluster
     if cluster:
@@ -1163,7 +1165,7 @@ def give_back_all(
     members: Sequence[str],
 ) -> Flow[None]:
     """A reservation's give-backs (``parts`` with their lines in ``more``) and the
-    releases of its permits (``members``), in one script (the general form's
+    releases of its permits (``members``), in one script (the general script's
     ``REFUND``); without the store they are lost for it (counted and logged: the
     tokens stay spent, the permits expire by their ttl)."""
     order = list(range(len(permit_parts)))

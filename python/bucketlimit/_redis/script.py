@@ -1,14 +1,19 @@
-"""The Lua script (``bucket.lua``, the twin of ``src/bucket.rs``), its arguments and replies.
+"""The Lua scripts (``scripts.lua``; the token bucket is the twin of ``src/bucket.rs``),
+their keys and arguments.
 
-``bucket.lua`` as written is the general form, which ``allow_all`` runs with each
-bucket's configuration as arguments. Each limiter runs its own form
-(:func:`specialize`): its configuration written into the script, so that the common
-call, an allow of one token on the server's clock, sends one key and no argument.
+``scripts.lua`` holds named fragments; :func:`assembled` pastes them into the
+scripts a limiter sends (the table of their KEYS, ARGV and replies is
+``scripts.md`` beside it): each limiter's own script, its configuration written
+in, so that the common call, an allow of one token on the server's clock, sends
+one key and no argument; the general script, which the calls over several
+limiters and the permits run with each bucket's configuration as arguments; and
+the heartbeat.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import re
 from importlib import resources
@@ -17,13 +22,13 @@ from typing import Any, Final
 #: Lua numbers are doubles: integers are exact below 2**53 and no further.
 LUA_EXACT: Final = 2**53
 
-#: Capacities a bucket may owe at most (src/bucket.rs; bucket.lua's MAX_DEBT_CAPACITIES).
+#: Capacities a bucket may owe at most (src/bucket.rs; scripts.lua's MAX_DEBT_CAPACITIES).
 MAX_DEBT_CAPACITIES: Final = 1000
 
 
 def max_debt_capacities(full: int, p: int) -> int:
     """Capacities a bucket of ``full`` units refilled ``p`` a microsecond may owe on
-    Redis (bucket.lua's D): MAX_DEBT_CAPACITIES where ``(1 + D) * full + p`` stays
+    Redis (the scripts' D): MAX_DEBT_CAPACITIES where ``(1 + D) * full + p`` stays
     below 2**53, the most that does where that many would not, and 0 for the
     largest configurations the script computes at all (docs/design.md §4)."""
     return min(MAX_DEBT_CAPACITIES, (LUA_EXACT - 1 - p) // full - 1)
@@ -37,29 +42,30 @@ NO_ARGS: Final[tuple[Any, ...]] = ()
 
 
 class Mode(enum.Enum):
-    """What a call does; the value is the script's mode argument (ARGV[2])."""
+    """What a call does; the value is the script's operation argument (ARGV[2];
+    scripts.md)."""
 
-    ALLOW = b"a"
-    PEEK = b"p"
-    REFUND = b"r"  # any give-back: refund, a reservation's cancel, settle below its cost
-    RESERVE = b"v"
-    CHARGE = b"c"
-    OBSERVE = b"o"  # an upstream's report: its cap (units) as the cost, its age (µs) after now
-    MANY = b"m"  # a batch of allows, one per key (the own form only: shared round trips)
-    LEASE = b"l"  # take a lease, give one back (the own form only: docs/design.md §6)
-    RESET = b"d"  # not a script mode: a reset deletes the bucket's key
-    CHECK = b"check"  # not a script mode: check() runs the script as a peek, then INFO
-    # A permit key alone (the general form; bucketlimit._redis.permits): a
+    ALLOW = b"allow"
+    PEEK = b"peek"
+    REFUND = b"give-back"  # any give-back: refund, a reservation's cancel, settle below its cost
+    RESERVE = b"reserve"
+    CHARGE = b"charge"
+    OBSERVE = b"observe"  # an upstream's report: its cap (units) as the cost, its age (µs)
+    MANY = b"many"  # a batch of allows, one per key (a limiter's own script: shared round trips)
+    LEASE = b"lease"  # take a lease, give one back (docs/design.md §6)
+    RESET = b"reset"  # not a script's: a reset deletes the bucket's key
+    CHECK = b"check"  # not a script's: check() runs the script as a peek, then INFO
+    # A permit key alone (the general script; bucketlimit._redis.permits): a
     # concurrency limiter's own calls.
-    TAKE = b"T"  # try_acquire: a permit now, or a refusal
-    QUEUE = b"Q"  # acquire: a permit now, or a place in the key's queue
-    POLL = b"W"  # a waiter: its grant, or its place (its lease renewed)
-    GIVE_UP = b"G"  # a waiter's timeout ended: its grant, or refused (it leaves)
-    ABANDON = b"X"  # a waiter cancelled: it leaves, releasing a grant handed to it
-    RELEASE = b"R"  # a permit released by its member
-    RENEW = b"N"  # a permit extended, while held
-    VALID = b"K"  # whether a permit is held (a read)
-    IN_FLIGHT = b"I"  # the permits held now
+    TAKE = b"take"  # try_acquire: a permit now, or a refusal
+    QUEUE = b"queue"  # acquire: a permit now, or a place in the key's queue
+    POLL = b"poll"  # a waiter: its grant, or its place (its lease renewed)
+    GIVE_UP = b"give-up"  # a waiter's timeout ended: its grant, or refused (it leaves)
+    ABANDON = b"abandon"  # a waiter cancelled: it leaves, releasing a grant handed to it
+    RELEASE = b"release"  # a permit released by its member
+    RENEW = b"renew"  # a permit extended, while held
+    VALID = b"valid"  # whether a permit is held (a read)
+    IN_FLIGHT = b"in-flight"  # the permits held now
 
 
 # The members as module constants: reading one through its class costs about
@@ -75,12 +81,10 @@ RESERVE, CHARGE, MANY, OBSERVE, LEASE = (
 TAKE, QUEUE, POLL, GIVE_UP, ABANDON = Mode.TAKE, Mode.QUEUE, Mode.POLL, Mode.GIVE_UP, Mode.ABANDON
 RELEASE, RENEW, VALID, IN_FLIGHT = Mode.RELEASE, Mode.RENEW, Mode.VALID, Mode.IN_FLIGHT
 
-#: The values the general form takes per key (bucket.lua): now, capacity, unit, p,
-#: cost, then 4 more (a reservation's max_wait; a give-back's line and cost).
+#: The values the general script takes per bucket or permit key (scripts.md): now,
+#: then 8 more (a bucket's capacity, unit, rate, cost and 4 more: a reservation's
+#: max_wait, a give-back's line and cost).
 PER_KEY: Final = 9
-
-#: Where the own form reads its 4 more (bucket.lua's config line: ``x = 4``).
-OWN_X: Final = 4
 
 #: The value that says "none": no max_wait, no line.
 NONE: Final = b""
@@ -96,60 +100,98 @@ class Script:
         self.sha = hashlib.sha1(source.encode("utf-8")).hexdigest()
 
 
-#: The live processes sharing a limiter (docs/design.md §6, "How many processes"):
-#: KEYS[1] a sorted set of processes scored by the ms they stop counting at, on the
-#: server's clock; ARGV[1] this process, ARGV[2] how long it counts, in ms. One step:
-#: forget the expired, count this one, answer how many count.
-HEARTBEAT: Final = Script(
-    "local t = redis.call('TIME')\n"
-    "local now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
-    "redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)\n"
-    "redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])\n"
-    "redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
-    "return redis.call('ZCARD', KEYS[1])\n"
+# -- the keys a script is given besides the bucket's own --------------------------------
+
+
+def lease_hash(bucket: bytes) -> bytes:
+    """The hash of a bucket's lease records (docs/design.md §6, "Hot keys: leases"):
+    beside the bucket, in its hash slot."""
+    return bucket + b":leases"
+
+
+def permit_keys(key: bytes) -> tuple[bytes, bytes, bytes, bytes]:
+    """A permit key's four keys, in the order the general script takes them: its
+    hash, the permits held, the waiters queued, the grants not yet picked up (one
+    hash slot)."""
+    return key, key + b":h", key + b":q", key + b":g"
+
+
+# -- assembly ---------------------------------------------------------------------------
+
+#: scripts.lua: the fragments every script is assembled from, as a Script (its
+#: ``source`` is what counts; a limiter class may run a variant: the parity tests
+#: raise its smallest TTL).
+FRAGMENTS: Final = Script(
+    resources.files("bucketlimit._redis").joinpath("scripts.lua").read_text("utf-8")
 )
 
-#: bucket.lua as written: the general form, which allow_all runs.
-BUCKET_SCRIPT: Final = Script(
-    resources.files("bucketlimit._redis").joinpath("bucket.lua").read_text("utf-8")
-)
-
-# The one line of bucket.lua that reads a bucket's configuration from ARGV.
-_CONFIG_LINE: Final = re.compile(r"^(\s*local ([\w, ]+) = ).*-- config$", re.MULTILINE)
-
-# The part of bucket.lua only the general form runs (its permit keys), which a
-# limiter's own form leaves out: it never names a permit key.
-_GENERAL_ONLY: Final = re.compile(
-    r"^-- general form only: begin$.*?^-- general form only: end$\n?", re.MULTILINE | re.DOTALL
-)
+_FRAGMENT: Final = re.compile(r"^--- (\S.*)$", re.MULTILINE)
+_PASTE: Final = re.compile(r"^([ \t]*)--> (\S.*)$", re.MULTILINE)
+_NUMBER: Final = re.compile(r"\$(\w+)")
 
 
-def specialize(template: str, capacity: int, unit: int, p: int) -> str:
-    """A limiter's own form of the script: ``template`` (bucket.lua) with the limiter's
-    configuration written into the line marked ``config`` (its names: capacity, unit
-    and p get the numbers, cost the script's ARGV[1], x where the 4 more start after
-    now, own ``true``), so that a call sends one key and at most seven arguments. A template whose
-    line names only capacity, unit and p (an older bucket.lua, a study's variant)
-    gets just those. Comment lines are dropped, and the part marked "general form
-    only" (permit keys, which a limiter's own form never names): Redis keeps one
-    copy of each distinct script for as long as it runs."""
-    own = {"capacity": str(capacity), "unit": str(unit), "p": str(p), "cost": "cost"}
-    own["x"] = str(OWN_X)
-    own["own"] = "true"
+@functools.lru_cache(maxsize=8)
+def fragments(source: str) -> dict[str, str]:
+    """The fragments of ``source`` by name: each from its line ``--- name`` to the
+    next such line."""
+    starts = list(_FRAGMENT.finditer(source))
+    found: dict[str, str] = {}
+    for here, after in zip(starts, [*starts[1:], None], strict=True):
+        end = len(source) if after is None else after.start()
+        found[here.group(1).strip()] = source[here.end() + 1 : end]
+    return found
 
-    def written(match: re.Match[str]) -> str:
-        names = [name.strip() for name in match.group(2).split(",")]
-        if not set(names) <= own.keys():
-            raise RuntimeError(f"bucket.lua's config line names {names}")
-        return match.group(1) + ", ".join(own[name] for name in names)
 
-    source, found = _CONFIG_LINE.subn(written, template)
-    if found != 1:
-        raise RuntimeError("bucket.lua has no line ending in '-- config'")
-    source = _GENERAL_ONLY.sub("", source)
-    lines = [line for line in source.splitlines() if line.strip() and not _is_comment(line)]
-    return "\n".join(lines) + "\n"
+def assembled(source: str, name: str, **numbers: int) -> str:
+    """The script ``name`` of ``source`` (scripts.lua): its fragment with each line
+    ``--> other`` replaced by the fragment ``other`` (indented as that line), each
+    ``$number`` by ``numbers[number]``, and comment and blank lines left out: Redis
+    keeps one copy of each distinct script for as long as it runs."""
+    parts = fragments(source)
+
+    def pasted(fragment: str, within: tuple[str, ...]) -> str:
+        if fragment not in parts:
+            raise RuntimeError(f"scripts.lua has no fragment {fragment!r}")
+        if fragment in within:
+            raise RuntimeError(f"scripts.lua pastes {fragment!r} into itself")
+
+        def paste(match: re.Match[str]) -> str:
+            text = pasted(match.group(2).strip(), (*within, fragment))
+            indent = match.group(1)
+            return "\n".join(indent + line if line else line for line in text.splitlines())
+
+        return _PASTE.sub(paste, parts[fragment])
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in numbers:
+            raise RuntimeError(f"scripts.lua's {name!r} needs ${match.group(1)}")
+        return str(numbers[match.group(1)])
+
+    text = pasted(name, ())
+    lines = [line for line in text.splitlines() if line.strip() and not _is_comment(line)]
+    return _NUMBER.sub(number, "\n".join(lines) + "\n")
 
 
 def _is_comment(line: str) -> bool:
     return line.lstrip().startswith("--")
+
+
+def limiter_script(source: str, capacity: int, unit: int, rate: int) -> Script:
+    """A limiter's own script: its capacity, its unit (units per token) and its rate
+    (units refilled per µs, the limiter's ``p``) written in."""
+    return Script(assembled(source, "limiter", capacity=capacity, unit=unit, rate=rate))
+
+
+@functools.lru_cache(maxsize=8)
+def general_script(source: str) -> Script:
+    """The general script: the calls over several limiters, and the permits (one
+    Script per source, which every limiter built from it shares)."""
+    return Script(assembled(source, "general"))
+
+
+#: The general script of scripts.lua as shipped (the permits run it).
+GENERAL: Final = general_script(FRAGMENTS.source)
+
+#: The live processes sharing a limiter (docs/design.md §6, "How many processes";
+#: scripts.md).
+HEARTBEAT: Final = Script(assembled(FRAGMENTS.source, "heartbeat"))

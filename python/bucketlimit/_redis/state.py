@@ -34,8 +34,10 @@ from bucketlimit._redis.resilience import (
 from bucketlimit._redis.script import (
     SERVER_TIME,
     Script,
+    general_script,
+    lease_hash,
+    limiter_script,
     max_debt_capacities,
-    specialize,
 )
 
 logger = logging.getLogger("bucketlimit")
@@ -358,6 +360,7 @@ class LimiterState(StoreState):
         retry_interval: float,
         refusal_cache: bool,
         name: str,
+        leasing: bool = False,
     ) -> None:
         self.source = client  # the client or a LazyClient
         self.client: Any = None if isinstance(client, LazyClient) else client
@@ -367,17 +370,20 @@ class LimiterState(StoreState):
         self.unit = unit
         self.per = per
         self.full = capacity * unit
-        #: Capacities a bucket may owe here (bucket.lua's D, docs/design.md §4).
+        #: Capacities a bucket may owe here (the scripts' D, docs/design.md §4).
         self.debt_capacities = max_debt_capacities(self.full, p)
         self.clock = clock
         self.keys = keys
-        #: bucket.lua as written (the general form), and this limiter's own form.
-        self.script = script
-        self.own = Script(specialize(script.source, capacity, unit, p))
-        #: The start of the common allow's command: the own form by EVALSHA, one key.
+        #: The scripts assembled from ``script`` (scripts.lua): the general one, and
+        #: this limiter's own.
+        self.script = general_script(script.source)
+        self.own = limiter_script(script.source, capacity, unit, p)
+        #: The start of the common allow's command: its own script by EVALSHA, one key.
         self.evalsha = ("EVALSHA", self.own.sha, 1)
-        #: The values after `now` that the general form takes for each bucket.
+        #: The values after `now` that the general script takes for each bucket.
         self.config_args = (capacity, unit, p)
+        #: Whether this limiter leases: its calls on a bucket name the lease hash.
+        self.leasing = leasing
         self.name = name
         self.counters = Counters()
         self.policy: Policy = policy
@@ -412,6 +418,12 @@ class LimiterState(StoreState):
         )
 
     # -- values sent to the script ---------------------------------------------------
+
+    def bucket_keys(self, bucket: bytes) -> tuple[bytes, ...]:
+        """The keys of a call on one bucket (but the common allow and its batches):
+        with its lease hash when this limiter leases, else the bucket alone (one on
+        which another limiter holds leases is sent again with it: flows.resent)."""
+        return (bucket, lease_hash(bucket)) if self.leasing else (bucket,)
 
     def cost(self, cost: object) -> int:
         """A cost checked as the core checks it (1 <= cost <= capacity)."""
