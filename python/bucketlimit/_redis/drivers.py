@@ -76,8 +76,9 @@ async def drive_async(flowing: Flowing, state: Store) -> Outcome:
 
 
 def send(state: Store, command: Command) -> Any:
-    """``command`` sent on the state's client (connected on first use). While it is
-    on its way it is in ``state.flying``, so that ``close()`` lets it land; once the
+    """``command`` sent on the state's client (connected on first use), timed into
+    ``state.round_trips`` (answered or failed). While it is on its way it is in
+    ``state.flying``, so that ``close()`` lets it land; once the
     limiter is closed nothing is sent (a ``RuntimeError``). The command is added
     before ``closed`` is read: ``close()`` sets ``closed``, then waits for the set
     to empty, so no command slips between the two."""
@@ -89,14 +90,18 @@ def send(state: Store, command: Command) -> Any:
         client = state.client if state.client is not None else state.connect()
         call = getattr(client, command.name)
         waited = 0.0
-        while True:
-            try:
-                return call(*command.argv)
-            except MaxConnectionsError:
-                if waited >= POOL_WAIT:
-                    raise
-                time.sleep(POOL_STEP)
-                waited += POOL_STEP
+        sent = time.perf_counter()
+        try:
+            while True:
+                try:
+                    return call(*command.argv)
+                except MaxConnectionsError:
+                    if waited >= POOL_WAIT:
+                        raise
+                    time.sleep(POOL_STEP)
+                    waited += POOL_STEP
+        finally:
+            state.round_trips.observe(time.perf_counter() - sent)
     finally:
         flying.discard(command)
 
@@ -111,6 +116,7 @@ async def send_async(state: Store, command: Command) -> Any:
         if state.closed:
             raise RuntimeError(state.closing())
         client = state.client if state.client is not None else state.connect()
+        sent = time.perf_counter()
         try:
             return await _sent_async(getattr(client, command.name), command.argv)
         except ClusterError as storm:
@@ -126,6 +132,8 @@ async def send_async(state: Store, command: Command) -> Any:
             if node is None:
                 raise
             return await node.execute_command(*command.argv)
+        finally:
+            state.round_trips.observe(time.perf_counter() - sent)
     finally:
         flying.discard(command)
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Final, Protocol
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
+from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram
 from bucketlimit._redis.clients import LazyClient
 from bucketlimit._redis.keys import Keys, key_slot
 from bucketlimit._redis.resilience import (
@@ -165,6 +166,8 @@ class Store(Protocol):
     @property
     def counters(self) -> Counting: ...
     @property
+    def round_trips(self) -> Histogram: ...
+    @property
     def processes(self) -> Processes: ...
     @property
     def breakers(self) -> Breakers: ...
@@ -203,6 +206,9 @@ class StoreState:
     clock: Callable[[], float] | None
     breakers: Breakers
     counters: Counting
+    #: Seconds each command took to answer (``drivers.send``): the limiter's
+    #: ``histograms()``, which bucketlimit.metrics exports.
+    round_trips: Histogram
     name: str
     _warned: bool
     #: The commands on their way to the store now (each sent is its own token), and
@@ -350,6 +356,7 @@ class LimiterState(StoreState):
         self.config_args = (capacity, unit, p)
         self.name = name
         self.counters = Counters()
+        self.round_trips = Histogram(ROUND_TRIP_BUCKETS)
         self.policy: Policy = policy
         self.retry_interval = retry_interval
         # Counted only where the count is used: the "local" share.
