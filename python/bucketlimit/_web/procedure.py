@@ -158,13 +158,18 @@ def _take_permit(
     key: str,
     limits: RequestLimits,
 ) -> Procedure[Any]:
-    """The request's permit: ``try_acquire``, or with ``max_wait`` a wait for one in
-    arrival order (its own procedure, so that a client that disconnects while it
+    """The request's permit: ``try_acquire``; refused, with ``max_wait`` a wait for one
+    in arrival order (its own procedure, so that a client that disconnects while it
     waits leaves the queue and the others give back what they hold), counted while
-    it waits and timed (as measured: a permit frees when another request ends)."""
+    it waits and timed (as measured: a permit frees when another request ends; 0
+    when it did not wait)."""
+    permit = yield concurrency.try_acquire, (key,)
     if not limit.max_wait:
-        return (yield concurrency.try_acquire, (key,))
+        return permit
     counters = limit.counters
+    if permit:
+        counters.permit_waits.observe(0.0)
+        return permit
     started = time.monotonic()
     counters.add("permits_waiting")
     try:
