@@ -22,6 +22,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 
 from bucketlimit import (
+    ConcurrencyLimiter,
     ConcurrencyStats,
     ConfigurationError,
     LimiterStats,
@@ -450,3 +451,22 @@ def test_otel_histograms_follow_limiters_added_and_removed() -> None:
     point = otel_histogram(reader, "bucketlimit.store_round_trip_seconds", {"policy": "store"})
     assert point.count == 1
     provider.shutdown()
+
+
+def test_a_concurrency_limiter_exports_its_permits() -> None:
+    """It exported only ``refused``: no permit granted, held or waited for was seen."""
+    inflight = ConcurrencyLimiter(2)
+    limiters = LimiterMetrics({"exports": inflight})
+    registry = CollectorRegistry()
+    limiters.register_prometheus(registry)
+    held = [inflight.try_acquire("k"), inflight.try_acquire("k")]
+    assert not inflight.try_acquire("k")
+    labels = {"policy": "exports"}
+    assert prom(registry, "bucketlimit_permits_granted_total", **labels) == 2
+    assert prom(registry, "bucketlimit_permits_in_flight", **labels) == 2
+    assert prom(registry, "bucketlimit_permits_waiting", **labels) == 0
+    assert prom(registry, "bucketlimit_permits_expired_total", **labels) == 0
+    assert prom(registry, "bucketlimit_decisions_total", outcome="refused", **labels) == 1
+    for permit in held:
+        permit.release()
+    assert prom(registry, "bucketlimit_permits_in_flight", **labels) == 0
