@@ -212,19 +212,19 @@ async def chat(request: Request) -> Response:
 
 async def relay(upstream: httpx.Response, held: list[AsyncReservation]) -> AsyncIterator[bytes]:
     """The provider's event stream as it comes; its last event carries the usage,
-    which settles the tokens. A client that hangs up ends it here (Starlette stops
-    the body): the estimate is kept, the provider's stream closed, and the
-    middleware frees the generation slot at once."""
+    which settles the tokens before it is passed on (so a client that read it finds
+    them settled). A client that hangs up ends it here (Starlette stops the body):
+    the estimate is kept, the provider's stream closed, and the middleware frees
+    the generation slot at once."""
     events = SSEUsage()
     try:
         async for chunk in upstream.aiter_raw():
-            events.feed(chunk)
+            if events.feed(chunk):
+                await settle(held, events.usage)
             yield chunk
     finally:
-        with anyio.CancelScope(shield=True):  # a hang-up cancels the body: finish this
+        with anyio.CancelScope(shield=True):  # a hang-up cancels the body: close it all the same
             await upstream.aclose()
-            if events.usage is not None:
-                await settle(held, events.usage)
 
 
 async def settle(held: list[AsyncReservation], usage: dict[str, Any] | None) -> None:
@@ -255,15 +255,18 @@ class SSEUsage:
         self.usage: dict[str, Any] | None = None
         self._rest = b""
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bool:
+        """Reads ``chunk``; True when it completed the event carrying the usage."""
         lines = (self._rest + chunk).split(b"\n")
         self._rest = lines.pop()
+        found = False
         for line in lines:
             data = line.strip().removeprefix(b"data:").strip()
             if line.startswith(b"data:") and data and data != b"[DONE]":
                 event = json.loads(data)
                 if event.get("usage"):
-                    self.usage = event["usage"]
+                    self.usage, found = event["usage"], True
+        return found
 
 
 @app.get("/metrics")
