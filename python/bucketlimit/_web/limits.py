@@ -563,11 +563,11 @@ class LimitSettings(Generic[R]):
         ``requests_abandoned``; :mod:`bucketlimit._web.counting` says which is
         which), ``shadow_refusals``; with a concurrency limit, its requests' permits
         in this process, named as a concurrency limiter names them: ``granted``,
-        ``expired``, ``in_flight`` and ``waiting``; and the store's counters of its Redis limiters
-        (``store_calls``, ``store_errors``, ...: :data:`STORE_STATS`, the sum of
-        both when it has a limiter and a concurrency limiter). A limit of several
-        limit strings counts on its :attr:`parts`. What ``bucketlimit.metrics``
-        exports under the limit's name."""
+        ``expired``, ``in_flight`` and ``waiting``; and the store's counters of its
+        Redis limiters (``store_calls``, ``store_errors``, ...: :data:`STORE_STATS`,
+        the sum of both when it has a limiter and a concurrency limiter). A limit of
+        several limit strings counts on its :attr:`parts`. What
+        ``bucketlimit.metrics`` exports under the limit's name."""
         stats = self.counters.stats(permits=self._concurrency is not None)
         for limiter in self._own_limiters():
             for name, value in limiter.stats().items():
