@@ -27,7 +27,7 @@ from bucketlimit.redis import (
 )
 from bucketlimit.testing import ManualClock
 from tests.redis.test_redis_operations import key_on_node
-from tests.support.redis_servers import RedisServer, ServerFactory
+from tests.support.redis_servers import RedisServer, ServerFactory, command
 from tests.support.tcp_proxy import TcpProxy
 
 QUOTA = 100_000
@@ -393,11 +393,11 @@ def test_a_batch_in_a_migrating_slot_is_refused_once_then_split(
     source = cluster.owner(slot)
     target = next(s for s in cluster.servers if s is not source)
     src, dst = source.client(), target.client()
-    src_id, dst_id = src.execute_command("CLUSTER", "MYID"), dst.execute_command("CLUSTER", "MYID")
-    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
-    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    src_id, dst_id = command(src, "CLUSTER", "MYID"), command(dst, "CLUSTER", "MYID")
+    command(dst, "CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    command(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
     moved = [sync.redis_key(key) for key in keys[:2]]
-    src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moved)
+    command(src, "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *moved)
     before = rejected_scripts(source) + rejected_scripts(target)
     requests = [(key, 1) for key in keys]
     if asyncio_client:
