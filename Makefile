@@ -49,8 +49,8 @@ lint: ## rustfmt, clippy, ruff, mypy --strict (package and tests) and stubtest
 	$(PY) -m mypy.stubtest bucketlimit._core --allowlist .mypy-stubtest-allowlist
 
 .PHONY: test
-test: ## Rust tests, then the Python suite (starts its own redis-server processes)
-	$(PY) scripts/ensure_redis.py
+test: ## Rust tests, then the Python suite (starts its own redis-server and Prometheus processes)
+	$(PY) scripts/ensure_servers.py
 	cargo test --quiet
 	$(PY) -m pytest
 
@@ -64,7 +64,7 @@ test-fast: ## the inner loop between edits: Rust tests and the Python tests that
 
 .PHONY: check-loaded
 check-loaded: ## the Python suite 3 times in a row while a CPU-bound process holds one core
-	$(PY) scripts/ensure_redis.py
+	$(PY) scripts/ensure_servers.py
 	$(PY) scripts/under_load.py --runs 3 -- $(PY) -m pytest -q
 
 .PHONY: bench

@@ -35,7 +35,13 @@ from bucketlimit._core import (
 )
 from bucketlimit._errors import ConfigurationError
 from bucketlimit._reservations import AsyncReservationLike, ReservationLike
-from bucketlimit._stats import ConcurrencyStats, LimiterStats, RedisLimiterStats
+from bucketlimit._stats import (
+    ConcurrencyStats,
+    LimiterStats,
+    LimitStats,
+    RedisConcurrencyStats,
+    RedisLimiterStats,
+)
 
 if TYPE_CHECKING:
     from bucketlimit.redis import (
@@ -79,8 +85,10 @@ __all__ = [
     "ConcurrencyStats",
     "ConfigurationError",
     "Decision",
+    "LimitStats",
     "LimiterStats",
     "Permit",
+    "RedisConcurrencyStats",
     "RedisLimiterStats",
     "Reservation",
     "ReservationLike",

@@ -1,7 +1,8 @@
 """What ``stats()`` returns, as typed dictionaries (docs/design.md §3 and §6).
 
 Importable as ``bucketlimit.LimiterStats``, ``bucketlimit.RedisLimiterStats``,
-``bucketlimit.ConcurrencyStats`` and ``bucketlimit.RedisConcurrencyStats``:
+``bucketlimit.ConcurrencyStats``, ``bucketlimit.RedisConcurrencyStats`` and
+``bucketlimit.LimitStats`` (a web limit's):
 a type checker then knows ``stats()["allowed"]`` is an ``int`` and reports a
 misspelt key. At run time they are plain ``dict`` objects.
 """
@@ -74,3 +75,32 @@ class RedisConcurrencyStats(TypedDict):
     breaker_open: int  # breakers open now
     waiting: int  # this object's callers waiting now
     wakeups: int  # grants told to its waiters by a message (pub/sub)
+
+
+class _LimitRequests(TypedDict):
+    requests_allowed: int  # admitted, and the request ran
+    requests_refused: int  # refused by this limit
+    requests_given_back: int  # admitted, then refused by another limit: the charge given back
+    requests_abandoned: int  # the client left while the request waited
+    shadow_refusals: int  # would-be refusals of a shadow limit (the request ran)
+
+
+class LimitStats(_LimitRequests, total=False):
+    """A web limit's ``stats()`` (every adapter's ``Limit``): one outcome per request
+    it decided, in this process; its requests' permits when it has a concurrency
+    limit; the store's counters of its Redis limiters (docs/metrics.md, "Web
+    limits")."""
+
+    granted: int  # permits its requests got (at once or after waiting)
+    expired: int  # permits of its requests that went their ttl without a renewal
+    in_flight: int  # its requests holding a permit now
+    waiting: int  # its requests waiting for a permit now
+    store_calls: int  # the store's counters, summed over its Redis limiters
+    store_errors: int
+    script_loads: int
+    fallback_decisions: int
+    refusal_cache_hits: int
+    lost_refunds: int
+    lost_releases: int
+    breaker_openings: int
+    breaker_open: int

@@ -196,14 +196,17 @@ def releases_permits(scope: Scope) -> bool:
 
 def release_permits_later(scope: Scope) -> Callable[[], Awaitable[None]]:
     """Marks the request's permits as released by someone other than a middleware,
-    and returns the coroutine function that releases them, to be called once the
-    response has ended (FastAPI's dependency hands it to the request's exit stack)."""
+    and returns the coroutine function that releases them and counts the request
+    ``allowed`` by the limits that admitted it (``RequestLimits.answered``), to be
+    called once the response has ended (FastAPI's dependency hands it to the
+    request's exit stack)."""
     state: dict[str, Any] = scope.setdefault("state", {})
     state[_CLOSES] = True
 
     async def release() -> None:
         limits: RequestLimits | None = state.get(_STATE)
         if limits is not None:
+            limits.answered()
             await _awaited(limits.close())
 
     return release
@@ -223,6 +226,8 @@ def _ends(message: Message) -> bool:
 
 
 _GONE = ("http.disconnect", "websocket.disconnect")
+#: What starts a response: by then every limit of the request has decided.
+_STARTS = ("http.response.start", "websocket.accept", _DENIAL + ".start")
 
 
 async def _serve(
@@ -232,15 +237,21 @@ async def _serve(
     or WebSocket accept, and releases the request's permits (those its route's
     limits take too) once the response has ended: its last body chunk sent, the
     client gone, or the app returned or failed. A streamed body renews them as it
-    goes (``RequestLimits.keep_alive``)."""
+    goes (``RequestLimits.keep_alive``). Once a response starts (or the app ends
+    without one) every limit of the request has decided: those that admitted it
+    count it ``allowed`` (``RequestLimits.answered``)."""
     state: dict[str, Any] = scope["state"]
 
     async def sending(message: Message) -> None:
         kind = message["type"]
-        if limits is not None and (kind == "http.response.start" or kind == "websocket.accept"):
-            fields = limits.fields()
-            if fields:
-                message = _with_fields(message, fields)
+        if kind in _STARTS:
+            answered: RequestLimits | None = state.get(_STATE)
+            if answered is not None:
+                answered.answered()
+            if limits is not None and kind != _DENIAL + ".start":
+                fields = limits.fields()
+                if fields:
+                    message = _with_fields(message, fields)
         await send(message)
         held: RequestLimits | None = state.get(_STATE)
         if held is not None and held.permits:
@@ -259,6 +270,7 @@ async def _serve(
     finally:
         held: RequestLimits | None = state.get(_STATE)
         if held is not None:
+            held.answered()
             await _awaited(held.close())
 
 

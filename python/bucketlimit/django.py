@@ -234,6 +234,7 @@ def _with_retry_after(response: Any, refusal: Refusal) -> Any:
 def _write_fields(request: Any, response: HttpResponseBase) -> HttpResponseBase:
     limits: RequestLimits | None = getattr(_django_request(request), _STATE, None)
     if limits is not None:
+        limits.answered()  # every limit of the request has decided
         django_request = _django_request(request)
         refused = getattr(django_request, _THROTTLED, False) or getattr(
             django_request, _REFUSED, False
@@ -262,10 +263,13 @@ def _release_after(request: Any, response: Any) -> Any:
 
 
 def _release_now(request: Any) -> None:
-    """Releases the request's permits unless a streaming response will."""
+    """Releases the request's permits unless a streaming response will; the request
+    ran (its view failed), so the limits that admitted it count it."""
     limits: RequestLimits | None = getattr(_django_request(request), _STATE, None)
-    if limits is not None and not limits.closing:
-        limits.close()
+    if limits is not None:
+        limits.answered()
+        if not limits.closing:
+            limits.close()
 
 
 def ratelimit_fields(request: HttpRequest) -> dict[str, str]:
@@ -663,6 +667,8 @@ class LimitThrottle(_Throttle):
         if held is not None:
             self._decision = held.decision
         if not refused:
+            if not getattr(django_request, _RELEASES, False):
+                limits.answered()  # no middleware writes the response: counted now
             return True
         setattr(django_request, _THROTTLED, True)
         refusal = limits.refusal()

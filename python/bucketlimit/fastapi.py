@@ -283,8 +283,9 @@ class Limit(AsgiLimit[Any]):
         self.attach(None)
 
     async def __call__(self, request: HTTPConnection, response: Response) -> AsyncReservation:
-        if self.concurrency is not None and not releases_permits(request.scope):
-            self._release_after_the_response(request.scope)
+        counted_later = releases_permits(request.scope) or self._finish_after_the_response(
+            request.scope
+        )
         watch = None
         if self.max_wait and isinstance(request, Request):
             watch = _watch(request)
@@ -299,13 +300,21 @@ class Limit(AsgiLimit[Any]):
             raise RateLimitExceeded(limits.refusal(), limits.refusal_hook())
         for name, value in limits.fields().items():
             response.headers[name] = value  # replaces: the last limit writes every member
+        if not counted_later:
+            limits.answered()
         return held
 
-    def _release_after_the_response(self, scope: Scope) -> None:
-        """Without the middleware: the request's permits are released when FastAPI
-        closes its dependencies' exit stack, after the response (0.118 and later)."""
+    def _finish_after_the_response(self, scope: Scope) -> bool:
+        """Without the middleware: the request's permits are released, and its
+        admissions counted, when FastAPI closes its dependencies' exit stack, after
+        the response (0.118 and later). An older FastAPI has no such stack: a
+        concurrency limit is then a ``ConfigurationError``, and an admission is
+        counted at once (False)."""
         stack = scope.get(_REQUEST_STACK)
-        if not isinstance(stack, AsyncExitStack):
+        if isinstance(stack, AsyncExitStack):
+            stack.push_async_callback(release_permits_later(scope))
+            return True
+        if self.concurrency is not None:
             raise ConfigurationError(
                 f"Depends(limit) of limit {self.name!r} has concurrency=, whose permit is "
                 "held until the response ends, and this FastAPI (before 0.118) closes its "
@@ -314,7 +323,7 @@ class Limit(AsgiLimit[Any]):
                 "(app.add_middleware(RateLimitMiddleware), with or without a limit of its "
                 "own), which releases it"
             )
-        stack.push_async_callback(release_permits_later(scope))
+        return False
 
 
 def shared_limit(limit: str, scope: str, **options: Any) -> Limit:

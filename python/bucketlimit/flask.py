@@ -228,13 +228,17 @@ def _release_after(limits: RequestLimits, response: Response) -> None:
 
 def _release_now() -> None:
     """Releases the current request's permits unless its response will (the view
-    raised, or the app's error handling never reached the fields)."""
+    raised, or the app's error handling never reached the fields); the request ran,
+    so the limits that admitted it count it (``RequestLimits.answered``)."""
     limits: RequestLimits | None = flask.request.environ.get(_STATE)
-    if limits is not None and not limits.closing:
-        limits.close()
+    if limits is not None:
+        limits.answered()
+        if not limits.closing:
+            limits.close()
 
 
 def _write_fields(limits: RequestLimits, response: Response) -> Response:
+    limits.answered()  # every limit of the request has decided
     _release_after(limits, response)
     refusal: Refusal | None = flask.request.environ.get(_REFUSAL)
     fields = limits.fields(refused=refusal is not None)

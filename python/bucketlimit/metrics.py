@@ -35,11 +35,17 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from bucketlimit._errors import ConfigurationError
+from bucketlimit._histogram import (
+    ROUND_TRIP_BUCKETS,
+    WAIT_BUCKETS,
+    Histogram,
+    HistogramSnapshot,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
@@ -47,7 +53,10 @@ if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
 
 __all__ = [
+    "HISTOGRAMS",
     "METRICS",
+    "HistogramMetric",
+    "HistogramReading",
     "LimiterMetrics",
     "Metric",
     "MetricsUnavailableError",
@@ -70,6 +79,16 @@ class HasStats(Protocol):
 
 
 S = TypeVar("S", bound=HasStats)
+
+
+class WebLimit(HasStats, Protocol):
+    """A web limit, as :meth:`LimiterMetrics.add_limit` reads it."""
+
+    @property
+    def name(self) -> str: ...
+
+
+L = TypeVar("L", bound=WebLimit)
 
 
 @dataclass(frozen=True)
@@ -190,6 +209,64 @@ METRICS: tuple[Metric, ...] = (
         {},
         "{token}",
     ),
+    Metric(
+        "lost_releases",
+        "counter",
+        "Permit releases that could not reach the store (those permits expire by their ttl)",
+        "lost_releases",
+        {},
+        "{release}",
+    ),
+    Metric(
+        "requests",
+        "counter",
+        "Requests a web limit decided, one outcome each: allowed (admitted, and it ran), "
+        "refused (by this limit), given_back (admitted, refused by another limit: the "
+        "charge given back), abandoned (the client left while it waited)",
+        "requests_allowed",
+        {"outcome": "allowed"},
+        "{request}",
+    ),
+    Metric("requests", "counter", "", "requests_refused", {"outcome": "refused"}, "{request}"),
+    Metric(
+        "requests", "counter", "", "requests_given_back", {"outcome": "given_back"}, "{request}"
+    ),
+    Metric("requests", "counter", "", "requests_abandoned", {"outcome": "abandoned"}, "{request}"),
+    Metric(
+        "shadow_refusals",
+        "counter",
+        "Requests a shadow limit would have refused (they ran)",
+        "shadow_refusals",
+        {},
+        "{request}",
+    ),
+    Metric(
+        "permits_granted",
+        "counter",
+        "Concurrency permits granted, at once or after waiting",
+        "granted",
+        {},
+        "{permit}",
+    ),
+    Metric(
+        "permits_in_flight",
+        "gauge",
+        "Concurrency permits held now (a web limit: its requests whose response goes on)",
+        "in_flight",
+        {},
+        "{permit}",
+    ),
+    Metric(
+        "permits_waiting", "gauge", "Callers waiting for a permit now", "waiting", {}, "{request}"
+    ),
+    Metric(
+        "permits_expired",
+        "counter",
+        "Permits freed by their ttl, not by their holder",
+        "expired",
+        {},
+        "{permit}",
+    ),
     Metric("keys", "gauge", "Buckets held in memory by in-process limiters", "keys", {}, "{key}"),
     Metric(
         "evicted_keys",
@@ -211,6 +288,59 @@ METRICS: tuple[Metric, ...] = (
 
 
 @dataclass(frozen=True)
+class HistogramMetric:
+    """A histogram of seconds: its name, help, the labels its samples carry besides
+    ``policy``, and its buckets' bounds (``bucketlimit._histogram``)."""
+
+    name: str  # Prometheus: bucketlimit_<name>_bucket, _sum, _count
+    help: str
+    labels: tuple[str, ...]
+    bounds: tuple[float, ...]
+
+
+#: Every histogram, by the name the measured objects' ``histograms()`` give it.
+HISTOGRAMS: Mapping[str, HistogramMetric] = {
+    h.name: h
+    for h in (
+        HistogramMetric(
+            "wait_seconds",
+            "Seconds a request waited for its tokens or its permit (a web limit with "
+            "max_wait), each request admitted through the wait once (0: no wait)",
+            ("resource",),
+            WAIT_BUCKETS,
+        ),
+        HistogramMetric(
+            "store_round_trip_seconds",
+            "Seconds the store took to answer a command, from send to reply (a wait "
+            "for a free connection included)",
+            (),
+            ROUND_TRIP_BUCKETS,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class HistogramReading:
+    """One histogram's snapshot for one measured object (several of one name and
+    labels, as a web limit's two Redis limiters' round trips, are summed)."""
+
+    metric: HistogramMetric
+    policy: str
+    extra: tuple[tuple[str, str], ...]  # the labels besides policy
+    snapshot: HistogramSnapshot
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"policy": self.policy, **dict(self.extra)}
+
+    @property
+    def key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """Which histogram of its policy this is: its name and other labels."""
+        return self.metric.name, self.extra
+
+
+@dataclass(frozen=True)
 class Reading:
     """One sample: a metric's value for one limiter."""
 
@@ -228,6 +358,29 @@ def read_stats(limiter: HasStats) -> dict[str, int]:
     return {name: value for name, value in limiter.stats().items() if isinstance(value, int)}
 
 
+#: ``histograms()`` of a measured object: ``(name, labels, histogram)``.
+Timed = list[tuple[str, dict[str, str], Histogram]]
+
+
+def histograms_of(measured: object) -> Timed:
+    """The histograms a measured object has (a web limit, a Redis limiter); none for
+    one without ``histograms()`` or with a name this module does not know."""
+    found = getattr(measured, "histograms", None)
+    if not callable(found):
+        return []
+    return [entry for entry in found() if entry[0] in HISTOGRAMS]
+
+
+def merged(histograms: Iterable[Histogram]) -> HistogramSnapshot:
+    """The sum of histograms with the same bounds."""
+    snapshots = [h.snapshot() for h in histograms]
+    bounds = snapshots[0].bounds
+    if any(s.bounds != bounds for s in snapshots):
+        raise ValueError(f"histograms of different bounds cannot be summed: {snapshots!r}")
+    counts = tuple(sum(c) for c in zip(*(s.counts for s in snapshots), strict=True))
+    return HistogramSnapshot(bounds, counts, sum(s.sum for s in snapshots))
+
+
 class LimiterMetrics:
     """Named limiters whose ``stats()`` become metrics when collected.
 
@@ -239,6 +392,10 @@ class LimiterMetrics:
         self._lock = threading.Lock()
         self._limiters: dict[str, HasStats] = {}
         self._export: MultiprocessExport | None = None
+        # OpenTelemetry histograms (one dict per register_opentelemetry call) and
+        # the listeners each measured histogram tells its observations to.
+        self._recorders: list[dict[str, Any]] = []
+        self._listening: dict[tuple[int, int], tuple[str, Histogram, Callable[[float], None]]] = {}
         for name, limiter in (limiters or {}).items():
             self.add(name, limiter)
 
@@ -254,12 +411,29 @@ class LimiterMetrics:
             if name in self._limiters and self._limiters[name] is not limiter:
                 raise ValueError(f"a limiter named {name!r} is measured already")
             self._limiters[name] = limiter
+        self._listen()
         return limiter
+
+    def add_limit(self, limit: L) -> L:
+        """Measures a web limit (any adapter's ``Limit``) under its ``name``: what it
+        counted per request (``requests{outcome}``, its permits), how long its
+        requests waited, and its Redis limiters' store counters and round trips
+        (docs/metrics.md, "Web limits"). A limit of several limit strings
+        (``"2/minute;10/hour"``) is one policy per part, each under its own name.
+        Returns the limit."""
+        parts = getattr(limit, "parts", ())
+        for part in parts or (limit,):
+            self.add(part.name, part)
+        return limit
 
     def remove(self, name: str) -> None:
         """Stops measuring the limiter named ``name`` (KeyError when there is none)."""
         with self._lock:
             del self._limiters[name]
+            gone = [key for key, (policy, _, _) in self._listening.items() if policy == name]
+            for key in gone:
+                _, histogram, listener = self._listening.pop(key)
+                histogram.unsubscribe(listener)
 
     def names(self) -> list[str]:
         with self._lock:
@@ -277,6 +451,20 @@ class LimiterMetrics:
         for policy, limiter in self.items():
             stats = read_stats(limiter)
             readings += [Reading(m, policy, stats[m.stat]) for m in wanted if m.stat in stats]
+        return readings
+
+    def read_histograms(self) -> list[HistogramReading]:
+        """Every histogram of every measured object, read now."""
+        readings = []
+        for policy, measured in self.items():
+            grouped: dict[tuple[str, tuple[tuple[str, str], ...]], list[Histogram]] = {}
+            for name, labels, histogram in histograms_of(measured):
+                extra = tuple(sorted(labels.items()))
+                grouped.setdefault((name, extra), []).append(histogram)
+            readings += [
+                HistogramReading(HISTOGRAMS[name], policy, extra, merged(histograms))
+                for (name, extra), histograms in grouped.items()
+            ]
         return readings
 
     # -- Prometheus ------------------------------------------------------------------
@@ -355,7 +543,15 @@ class LimiterMetrics:
         from bucketlimit import __version__
 
         meter = provider.get_meter("bucketlimit", __version__)
-        instruments = []
+        instruments: list[Any] = []
+        recorders = {
+            name: _otel_histogram(meter, f"{namespace}.{name}", metric)
+            for name, metric in HISTOGRAMS.items()
+        }
+        instruments += recorders.values()
+        with self._lock:
+            self._recorders.append(recorders)
+        self._listen()
         for name, rows in _by_name(METRICS).items():
             create = (
                 meter.create_observable_counter
@@ -376,9 +572,26 @@ class LimiterMetrics:
         self, rows: list[Metric], observation: type[Observation]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(options: CallbackOptions) -> Iterable[Observation]:
+            self._listen()  # histograms that appeared since (a limit string's limiter)
             return [observation(r.value, r.labels) for r in self.read(rows)]
 
         return callback
+
+    def _listen(self) -> None:
+        """Has every measured histogram tell its observations to each OpenTelemetry
+        histogram (an instrument the SDK cannot read at collection time)."""
+        with self._lock:
+            if not self._recorders:
+                return
+            for policy, measured in self._limiters.items():
+                for name, labels, histogram in histograms_of(measured):
+                    attributes = {"policy": policy, **labels}
+                    for recorder in self._recorders:
+                        key = (id(histogram), id(recorder))
+                        if key not in self._listening:
+                            listener = _recording(recorder[name], attributes)
+                            histogram.subscribe(listener)
+                            self._listening[key] = (policy, histogram, listener)
 
 
 class PrometheusCollector:
@@ -403,15 +616,33 @@ class PrometheusCollector:
                 reading.labels,
                 reading.value,
             )
+        for timed in self._limiters.read_histograms():
+            histogram: Any = by_name[f"{self._namespace}_{timed.metric.name}"]
+            snapshot = timed.snapshot
+            histogram.add_metric(
+                [timed.policy, *(dict(timed.extra)[n] for n in timed.metric.labels)],
+                [(_le(bound), count) for bound, count in snapshot.cumulative()],
+                snapshot.sum,
+            )
         return iter(families)
 
     def _families(self) -> list[PrometheusMetric]:
-        from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.metrics_core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         families: list[PrometheusMetric] = []
         for name, rows in _by_name(METRICS).items():
             kind = CounterMetricFamily if rows[0].kind == "counter" else GaugeMetricFamily
             families.append(kind(f"{self._namespace}_{name}", rows[0].help))
+        for name, metric in HISTOGRAMS.items():
+            families.append(
+                HistogramMetricFamily(
+                    f"{self._namespace}_{name}", metric.help, labels=["policy", *metric.labels]
+                )
+            )
         return families
 
 
@@ -453,6 +684,9 @@ class MultiprocessExport:
         self._lock = threading.Lock()
         # policy -> (limiter, its counters as last published, its gauges' stats)
         self._published: dict[str, tuple[HasStats, dict[str, int], set[str]]] = {}
+        # (policy, histogram, its other labels) -> its snapshot as last published
+        self._timed: dict[tuple[str, str, tuple[tuple[str, str], ...]], HistogramSnapshot] = {}
+        self._histogram_values: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._closed = False
         self._stop = threading.Event()
         # The first publish before the thread: the files exist when this returns, so a
@@ -510,6 +744,9 @@ class MultiprocessExport:
                     sample.set(value)
                     gauges.add(row.stat)
             self._published[policy] = (limiter, counters, gauges)
+        for timed in self._limiters.read_histograms():
+            self._publish_histogram(timed, self._timed.get((timed.policy, *timed.key)))
+            self._timed[(timed.policy, *timed.key)] = timed.snapshot
         for policy, (limiter, counters, gauges) in self._published.items():
             if policy not in current and gauges:
                 # Removed: its counts stay (a counter never goes back), its gauges go to 0.
@@ -517,6 +754,52 @@ class MultiprocessExport:
                     if row.stat in gauges:
                         self._metrics[row.name].labels(policy=policy, **row.labels).set(0)
                 self._published[policy] = (limiter, counters, set())
+
+    def _publish_histogram(self, timed: HistogramReading, last: HistogramSnapshot | None) -> None:
+        """Adds what a histogram grew by since ``last`` to prometheus_client's
+        histogram files (a histogram that shrank is a new one: all of it)."""
+        now = timed.snapshot
+        if (
+            last is None
+            or last.bounds != now.bounds
+            or any(b < a for a, b in zip(last.counts, now.counts, strict=True))
+        ):
+            last = HistogramSnapshot(now.bounds, (0,) * len(now.counts), 0.0)
+        name = f"{self.namespace}_{timed.metric.name}"
+        labels = ["policy", *timed.metric.labels]
+        values = [timed.policy, *(dict(timed.extra)[n] for n in timed.metric.labels)]
+        bounds = (*now.bounds, math.inf)
+        # Every bucket is written, an empty one as 0, as prometheus_client's Histogram
+        # does: a scrape shows them all.
+        for bound, before, count in zip(bounds, last.counts, now.counts, strict=True):
+            bucket = (*values, _le(bound))
+            value = self._histogram_value(name, "_bucket", [*labels, "le"], bucket, timed)
+            if count > before:
+                value.inc(count - before)
+        total = self._histogram_value(name, "_sum", labels, values, timed)
+        if now.sum > last.sum:
+            total.inc(now.sum - last.sum)
+
+    def _histogram_value(
+        self,
+        name: str,
+        suffix: str,
+        labels: list[str],
+        values: Sequence[str],
+        timed: HistogramReading,
+    ) -> Any:
+        """One sample of a histogram in this process's files: prometheus_client's own
+        value class, as its ``Histogram`` writes them, so ``MultiProcessCollector``
+        sums every process's buckets and adds ``_count``."""
+        from prometheus_client import values as prometheus_values
+
+        key = (name + suffix, tuple(values))
+        value = self._histogram_values.get(key)
+        if value is None:
+            value = self._histogram_values[key] = prometheus_values.ValueClass(
+                "histogram", name, name + suffix, labels, list(values), timed.metric.help
+            )
+        return value
 
     def _start(self) -> threading.Thread:
         thread = threading.Thread(
@@ -562,6 +845,8 @@ class MultiprocessExport:
             stats = read_stats(limiter)
             at_fork = {stat: value for stat, value in stats.items() if stat in counters}
             self._published[policy] = (limiter, at_fork, set())
+        self._timed = {(t.policy, *t.key): t.snapshot for t in self._limiters.read_histograms()}
+        self._histogram_values = {}  # the parent's files: the child writes its own
         self._stop = threading.Event()
         self._thread = self._start()
 
@@ -588,6 +873,37 @@ def _multiprocess_metric(full_name: str, rows: list[Metric]) -> Any:
                 )
             _MULTIPROCESS_METRICS[full_name] = metric
     return metric
+
+
+def _otel_histogram(meter: Any, name: str, metric: HistogramMetric) -> Any:
+    """An OpenTelemetry histogram of seconds with ``metric``'s bounds (the advice is
+    ignored by an SDK older than 1.23, which uses its default bounds)."""
+    try:
+        return meter.create_histogram(
+            name,
+            unit="s",
+            description=metric.help,
+            explicit_bucket_boundaries_advisory=list(metric.bounds),
+        )
+    except TypeError:  # an API without the advisory argument
+        return meter.create_histogram(name, unit="s", description=metric.help)
+
+
+def _recording(instrument: Any, attributes: dict[str, str]) -> Callable[[float], None]:
+    def record(seconds: float) -> None:
+        instrument.record(seconds, attributes)
+
+    return record
+
+
+def _le(bound: float) -> str:
+    """A bucket's bound as prometheus_client writes ``le`` (``0.5``, ``1.0``,
+    ``+Inf``), so that one process's buckets and the multiprocess sum name them
+    alike."""
+    from prometheus_client import utils
+
+    go_string: Callable[[float], str] = utils.floatToGoString
+    return go_string(bound)
 
 
 def _check_interval(interval: object) -> float:

@@ -1,4 +1,5 @@
-"""Every Python block of the README and of ``docs/*.md`` runs, as a newcomer would paste it.
+"""Every Python block of the README, ``docs/*.md`` and ``docs/recipes/*.md`` runs, as a
+newcomer would paste it (from the repository root).
 
 A block that defines ``test_*`` functions has them called too, with a fresh
 ``ManualClock`` for a ``manual_clock`` parameter. A block preceded by the line
@@ -33,8 +34,9 @@ EXPECTED_BLOCKS: dict[str, int] = {
     "docs/benchmarks.md": 0,
     "docs/cli.md": 2,
     "docs/design.md": 2,
-    "docs/metrics.md": 2,
+    "docs/metrics.md": 3,
     "docs/migrating.md": 5,
+    "docs/recipes/llm-gateway.md": 1,
     "docs/redis.md": 9,
     "docs/upstream.md": 4,
     "docs/web.md": 18,
@@ -42,6 +44,7 @@ EXPECTED_BLOCKS: dict[str, int] = {
 #: Of those, the blocks that need a Redis server.
 EXPECTED_REDIS_BLOCKS: dict[str, int] = {
     "README.md": 1,
+    "docs/recipes/llm-gateway.md": 1,
     "docs/redis.md": 6,
     "docs/upstream.md": 1,
     "docs/web.md": 1,
@@ -63,7 +66,8 @@ class Block:
 
 
 def doc_files() -> list[str]:
-    return ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+    found = [*(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "recipes").glob("*.md")]
+    return ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in found)]
 
 
 def blocks_of(path: str) -> list[Block]:

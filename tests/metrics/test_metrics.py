@@ -13,14 +13,26 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, get_type_hints
 
+import flask
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bucketlimit import ConfigurationError, LimiterStats, RedisLimiterStats, TokenBucketLimiter
+from bucketlimit import (
+    ConcurrencyLimiter,
+    ConcurrencyStats,
+    ConfigurationError,
+    LimiterStats,
+    LimitStats,
+    RedisConcurrencyStats,
+    RedisLimiterStats,
+    TokenBucketLimiter,
+)
+from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram
+from bucketlimit.flask import Limit, RateLimit
 from bucketlimit.metrics import (
     METRICS,
     LimiterMetrics,
@@ -34,7 +46,7 @@ CALLS = 600
 
 
 def otel_points(reader: InMemoryMetricReader) -> dict[tuple[str, frozenset[Any]], int]:
-    """{(instrument name, attributes): value} of one collection."""
+    """{(instrument name, attributes): value} of one collection's counters and gauges."""
     points: dict[tuple[str, frozenset[Any]], int] = {}
     data = reader.get_metrics_data()
     assert data is not None
@@ -43,8 +55,10 @@ def otel_points(reader: InMemoryMetricReader) -> dict[tuple[str, frozenset[Any]]
             assert scope.scope.name == "bucketlimit"
             for metric in scope.metrics:
                 for point in metric.data.data_points:
+                    if not hasattr(point, "value"):  # a histogram's: otel_histogram()
+                        continue
                     attributes = frozenset((point.attributes or {}).items())
-                    points[metric.name, attributes] = int(point.value)  # type: ignore[union-attr]
+                    points[metric.name, attributes] = int(point.value)
     return points
 
 
@@ -179,9 +193,18 @@ def test_stats_are_read_only_when_collected() -> None:
 
 
 def test_every_metric_reads_a_key_some_limiters_stats_has() -> None:
-    """Issue 23: ``reservations_waiting`` was exposed and no limiter ever filled it.
-    Every row now reads a key of LimiterStats or RedisLimiterStats."""
-    keys = set(LimiterStats.__annotations__) | set(RedisLimiterStats.__annotations__)
+    """``reservations_waiting`` was exposed and no limiter ever filled it. Every row
+    now reads a key of some stats() (a limiter's, a concurrency limiter's, a web
+    limit's)."""
+    keys: set[str] = set()
+    for stats in (
+        LimiterStats,
+        RedisLimiterStats,
+        ConcurrencyStats,
+        RedisConcurrencyStats,
+        LimitStats,
+    ):
+        keys |= set(get_type_hints(stats))
     assert {m.stat for m in METRICS} <= keys
     assert "reservations_waiting" not in {m.name for m in METRICS}
     limiters = LimiterMetrics({"api": TokenBucketLimiter(1, 1)})
@@ -295,3 +318,155 @@ def test_a_missing_library_is_a_clear_error(blocked: str, call: str, package: st
         result.stdout
     )
     assert issubclass(MetricsUnavailableError, ConfigurationError)
+
+
+# -- web limits and histograms -------------------------------------------------------------------
+
+
+def test_a_web_limit_is_measured_under_its_name_with_one_outcome_per_request(
+    measured: tuple[LimiterMetrics, CollectorRegistry, InMemoryMetricReader],
+) -> None:
+    limiters, registry, reader = measured
+    clock = ManualClock()
+    requests = Limit(TokenBucketLimiter(10, 0, clock), name="requests")
+    tokens = Limit(
+        TokenBucketLimiter(3, 1, clock, per=2),
+        name="tokens",
+        cost=lambda request: int(request.args.get("cost", 1)),
+        max_wait=3,
+    )
+    assert limiters.add_limit(requests) is requests
+    limiters.add_limit(tokens)
+    app = flask.Flask(__name__)
+    RateLimit(requests, app)
+    app.add_url_rule("/", "index", tokens(lambda: "hi"))
+    client = app.test_client()
+    paths = ["/"] * 4 + ["/?cost=10"] * 2  # the 4th waits 2 s; 10 tokens never fit in 3
+    statuses = [client.get(path).status_code for path in paths]
+    assert statuses == [200, 200, 200, 200, 413, 413]
+
+    def requests_total(policy: str, outcome: str) -> float | None:
+        return prom(registry, "bucketlimit_requests_total", policy=policy, outcome=outcome)
+
+    assert requests_total("requests", "allowed") == 4
+    assert requests_total("requests", "given_back") == 2
+    assert requests_total("tokens", "allowed") == 4
+    assert requests_total("tokens", "refused") == 2
+    for policy in ("requests", "tokens"):
+        answered = sum(
+            requests_total(policy, outcome) or 0 for outcome in ("allowed", "refused", "given_back")
+        )
+        assert answered == len(statuses), f"{policy}: each answered request counted once"
+    waits = {"policy": "tokens", "resource": "tokens"}
+    assert prom(registry, "bucketlimit_wait_seconds_count", **waits) == 4
+    assert prom(registry, "bucketlimit_wait_seconds_sum", **waits) == 2.0
+    assert prom(registry, "bucketlimit_wait_seconds_bucket", le="0.0", **waits) == 3
+    assert prom(registry, "bucketlimit_wait_seconds_bucket", le="1.0", **waits) == 3
+    assert prom(registry, "bucketlimit_wait_seconds_bucket", le="2.5", **waits) == 4
+    # The requests limit cannot wait: no histogram of its waits.
+    assert prom(registry, "bucketlimit_wait_seconds_count", policy="requests") is None
+
+    points = otel_points(reader)
+    refused = frozenset({("policy", "tokens"), ("outcome", "refused")})
+    assert points["bucketlimit.requests", refused] == 2
+    histogram = otel_histogram(reader, "bucketlimit.wait_seconds", waits)
+    assert (histogram.count, histogram.sum) == (4, 2.0)
+
+
+def otel_histogram(reader: InMemoryMetricReader, name: str, attributes: dict[str, str]) -> Any:
+    """The histogram data point of ``name`` with ``attributes`` in one collection."""
+    data = reader.get_metrics_data()
+    assert data is not None
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.name != name:
+                    continue
+                for point in metric.data.data_points:
+                    if dict(point.attributes or {}) == attributes:
+                        return point
+    raise AssertionError(f"no {name} point with {attributes}")
+
+
+def test_a_limit_of_several_strings_is_a_policy_per_part() -> None:
+    limiters = LimiterMetrics()
+    limit = Limit("2/minute;10/hour", storage="memory://")
+    limiters.add_limit(limit)
+    assert limiters.names() == ["2/minute", "10/hour"]
+
+
+def test_histograms_of_one_name_and_labels_are_summed_per_policy() -> None:
+    class TwoStores:
+        """A web limit's view of two Redis limiters: one round-trip histogram each."""
+
+        def __init__(self) -> None:
+            self.first = Histogram(ROUND_TRIP_BUCKETS)
+            self.second = Histogram(ROUND_TRIP_BUCKETS)
+
+        def stats(self) -> dict[str, int]:
+            return {}
+
+        def histograms(self) -> list[tuple[str, dict[str, str], Histogram]]:
+            return [
+                ("store_round_trip_seconds", {}, self.first),
+                ("store_round_trip_seconds", {}, self.second),
+            ]
+
+    stores = TwoStores()
+    stores.first.observe(0.0002)
+    stores.second.observe(0.003)
+    stores.second.observe(2.0)  # beyond every bound
+    limiters = LimiterMetrics({"api": stores})
+    registry = CollectorRegistry()
+    limiters.register_prometheus(registry)
+    name = "bucketlimit_store_round_trip_seconds"
+    assert prom(registry, f"{name}_count", policy="api") == 3
+    assert prom(registry, f"{name}_bucket", policy="api", le="0.00025") == 1
+    assert prom(registry, f"{name}_bucket", policy="api", le="0.005") == 2
+    assert prom(registry, f"{name}_bucket", policy="api", le="1.0") == 2
+    assert prom(registry, f"{name}_bucket", policy="api", le="+Inf") == 3
+    assert prom(registry, f"{name}_sum", policy="api") == pytest.approx(2.0032)
+
+
+def test_otel_histograms_follow_limiters_added_and_removed() -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    limiters = LimiterMetrics()
+    limiters.register_opentelemetry(provider)
+    timed = Histogram(ROUND_TRIP_BUCKETS)
+
+    class Store:
+        def stats(self) -> dict[str, int]:
+            return {}
+
+        def histograms(self) -> list[tuple[str, dict[str, str], Histogram]]:
+            return [("store_round_trip_seconds", {}, timed)]
+
+    limiters.add("store", Store())  # added after the registration
+    timed.observe(0.001)
+    point = otel_histogram(reader, "bucketlimit.store_round_trip_seconds", {"policy": "store"})
+    assert (point.count, point.sum) == (1, 0.001)
+    limiters.remove("store")
+    timed.observe(0.001)  # no longer recorded
+    point = otel_histogram(reader, "bucketlimit.store_round_trip_seconds", {"policy": "store"})
+    assert point.count == 1
+    provider.shutdown()
+
+
+def test_a_concurrency_limiter_exports_its_permits() -> None:
+    """It exported only ``refused``: no permit granted, held or waited for was seen."""
+    inflight = ConcurrencyLimiter(2)
+    limiters = LimiterMetrics({"exports": inflight})
+    registry = CollectorRegistry()
+    limiters.register_prometheus(registry)
+    held = [inflight.try_acquire("k"), inflight.try_acquire("k")]
+    assert not inflight.try_acquire("k")
+    labels = {"policy": "exports"}
+    assert prom(registry, "bucketlimit_permits_granted_total", **labels) == 2
+    assert prom(registry, "bucketlimit_permits_in_flight", **labels) == 2
+    assert prom(registry, "bucketlimit_permits_waiting", **labels) == 0
+    assert prom(registry, "bucketlimit_permits_expired_total", **labels) == 0
+    assert prom(registry, "bucketlimit_decisions_total", outcome="refused", **labels) == 1
+    for permit in held:
+        permit.release()
+    assert prom(registry, "bucketlimit_permits_in_flight", **labels) == 0

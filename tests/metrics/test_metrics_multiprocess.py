@@ -122,6 +122,51 @@ def test_forked_workers_publish_their_own_decisions_and_the_scrape_sums_them(
     assert result[keys("api")] == 1
 
 
+def test_forked_workers_histograms_are_summed_bucket_by_bucket(tmp_path: Path) -> None:
+    result = run_in_multiprocess_mode(
+        tmp_path,
+        """
+        from bucketlimit._histogram import WAIT_BUCKETS, Histogram
+
+        class Waits:
+            def __init__(self):
+                self.histogram = Histogram(WAIT_BUCKETS)
+
+            def stats(self):
+                return {}
+
+            def histograms(self):
+                return [("wait_seconds", {"resource": "tokens"}, self.histogram)]
+
+        waits = Waits()
+        limiters = LimiterMetrics({"api": waits})
+        export = limiters.register_prometheus_multiprocess(interval=3600)
+        waits.histogram.observe(0.0)  # before the fork: the parent's, and only the parent's
+        workers = []
+        for n in range(3):
+            pid = os.fork()
+            if pid == 0:
+                waits.histogram.observe(0.0)
+                waits.histogram.observe(2.0)
+                export.sync()
+                waits.histogram.observe(2.0)  # published at the exit
+                sys.exit(0)
+            workers.append(pid)
+        for pid in workers:
+            assert os.waitpid(pid, 0)[1] == 0
+        export.sync()
+        result = scrape()
+        """,
+    )
+    labels = {"policy": "api", "resource": "tokens"}
+    assert result[sample("bucketlimit_wait_seconds_count", **labels)] == 1 + 3 * 3
+    assert result[sample("bucketlimit_wait_seconds_sum", **labels)] == 3 * 4.0
+    assert result[sample("bucketlimit_wait_seconds_bucket", le="0.0", **labels)] == 1 + 3
+    assert result[sample("bucketlimit_wait_seconds_bucket", le="1.0", **labels)] == 1 + 3
+    assert result[sample("bucketlimit_wait_seconds_bucket", le="2.5", **labels)] == 1 + 3 * 3
+    assert result[sample("bucketlimit_wait_seconds_bucket", le="+Inf", **labels)] == 1 + 3 * 3
+
+
 def test_a_removed_limiter_keeps_its_counts_and_its_gauges_go_to_zero(tmp_path: Path) -> None:
     result = run_in_multiprocess_mode(
         tmp_path,

@@ -4,6 +4,7 @@ is down, compared with each limiter's ``stats()`` after a threaded trace."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 
@@ -14,7 +15,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from bucketlimit.metrics import LimiterMetrics
-from bucketlimit.redis import RedisTokenBucketLimiter
+from bucketlimit.redis import (
+    AsyncRedisTokenBucketLimiter,
+    RedisConcurrencyLimiter,
+    RedisTokenBucketLimiter,
+)
 from tests.support.redis_servers import free_port
 
 pytestmark = pytest.mark.redis
@@ -103,3 +108,37 @@ def test_redis_metrics_match_stats_with_one_store_up_and_one_down(
     # counts those that are).
     down.reserve("user-0").cancel()
     assert value("bucketlimit_lost_refunds_total", policy="down") == 0
+
+
+def test_every_command_is_timed_once_sync_and_asyncio(
+    redis_client: redis.Redis, redis_url: str
+) -> None:
+    """``store_round_trip_seconds``: one observation per command sent, by the
+    blocking and the asyncio limiter, the token bucket and the concurrency limiter."""
+    limiters = LimiterMetrics()
+    tokens = limiters.add("tokens", RedisTokenBucketLimiter(redis_client, 5, 1, prefix="rt-t:"))
+    permits = limiters.add("permits", RedisConcurrencyLimiter(redis_client, 2, prefix="rt-p:"))
+    for _ in range(7):
+        tokens.allow("k")
+    with permits.acquire("k"):
+        pass
+
+    async def asyncio_calls() -> AsyncRedisTokenBucketLimiter:
+        limiter = AsyncRedisTokenBucketLimiter.from_url(redis_url, 5, 1, prefix="rt-a:")
+        for _ in range(7):
+            await limiter.allow("k")
+        await limiter.aclose()
+        return limiter
+
+    tokens_async = limiters.add("tokens_async", asyncio.run(asyncio_calls()))
+    registry = CollectorRegistry()
+    limiters.register_prometheus(registry)
+    for name, limiter in limiters.items():
+        sent = limiter.stats()["store_calls"]
+        assert isinstance(sent, int)
+        assert sent > 0
+        timed = registry.get_sample_value(
+            "bucketlimit_store_round_trip_seconds_count", {"policy": name}
+        )
+        assert timed == sent, f"{name}: each of the {sent} commands timed once"
+    assert tokens_async.stats()["store_calls"] >= 7

@@ -130,6 +130,21 @@ def test_a_refusal_by_the_view_refunds_the_middlewares_limit() -> None:
     assert views.app_wide.limiter.peek("127.0.0.1", 3).allowed  # type: ignore[union-attr]
 
 
+def test_each_limit_counts_one_outcome_per_request() -> None:
+    """The middleware's limit admitted all three requests; the view's refused two, and
+    the middleware's charges for those were given back: not admissions."""
+    keys = ("requests_allowed", "requests_refused", "requests_given_back")
+    before = {limit.name: limit.stats() for limit in (views.app_wide, views.class_limit)}
+    with override_settings(BUCKETLIMIT_LIMITS=[views.app_wide]):
+        client = Client()
+        assert [client.get("/class").status_code for _ in range(3)] == [200, 403, 403]
+    counted = {
+        limit.name: tuple(limit.stats()[k] - before[limit.name][k] for k in keys)  # type: ignore[literal-required]
+        for limit in (views.app_wide, views.class_limit)
+    }
+    assert counted == {"app": (1, 0, 2), "class": (1, 2, 0)}
+
+
 def test_reserve_then_settle_in_a_view() -> None:
     answer = Client().post("/complete", {"max_tokens": 400}, content_type="application/json")
     assert answer.json() == {"refunded": 300}

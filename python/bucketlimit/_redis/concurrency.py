@@ -31,6 +31,7 @@ from typing import (
 )
 
 from bucketlimit import _core
+from bucketlimit._histogram import Histogram
 from bucketlimit._redis import permits
 from bucketlimit._redis.clients import (
     DEFAULT_TIMEOUT,
@@ -319,6 +320,12 @@ class RedisConcurrency(Generic[C]):
         stats["waiting"] = state.wakeups.waiting()
         stats["wakeups"] = state.wakeups.messages
         return cast("RedisConcurrencyStats", stats)
+
+    def histograms(self) -> list[tuple[str, dict[str, str], Histogram]]:
+        """This object's histograms, ``(name, labels, histogram)``: the seconds each
+        command took the store to answer (``store_round_trip_seconds``), which
+        ``bucketlimit.metrics`` exports (docs/metrics.md)."""
+        return [("store_round_trip_seconds", {}, self._state.round_trips)]
 
     def __repr__(self) -> str:
         return (

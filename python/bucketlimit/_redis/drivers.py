@@ -179,8 +179,9 @@ def finish(
 
 
 def send(state: Store, command: Command) -> Any:
-    """``command`` sent on the state's client (connected on first use). While it is
-    on its way it is in ``state.flying``, so that ``close()`` lets it land; once the
+    """``command`` sent on the state's client (connected on first use), timed into
+    ``state.round_trips`` (answered or failed). While it is on its way it is in
+    ``state.flying``, so that ``close()`` lets it land; once the
     limiter is closed nothing is sent (a ``RuntimeError``). The command is added
     before ``closed`` is read: ``close()`` sets ``closed``, then waits for the set
     to empty, so no command slips between the two."""
@@ -196,14 +197,18 @@ def send(state: Store, command: Command) -> Any:
             if node is not None:
                 call = getattr(client.get_redis_connection(node), command.name)
         waited = 0.0
-        while True:
-            try:
-                return call(*command.argv)
-            except MaxConnectionsError:
-                if waited >= POOL_WAIT:
-                    raise
-                time.sleep(POOL_STEP)
-                waited += POOL_STEP
+        sent = time.perf_counter()
+        try:
+            while True:
+                try:
+                    return call(*command.argv)
+                except MaxConnectionsError:
+                    if waited >= POOL_WAIT:
+                        raise
+                    time.sleep(POOL_STEP)
+                    waited += POOL_STEP
+        finally:
+            state.round_trips.observe(time.perf_counter() - sent)
     finally:
         flying.discard(command)
 
@@ -229,6 +234,7 @@ async def send_async(state: Store, command: Command) -> Any:
                 node = node_of(client, command)
             if node is not None:
                 call = node.execute_command
+        sent = time.perf_counter()
         try:
             return await _sent_async(call, command.argv)
         except ClusterError as storm:
@@ -244,6 +250,8 @@ async def send_async(state: Store, command: Command) -> Any:
             if node is None:
                 raise
             return await node.execute_command(*command.argv)
+        finally:
+            state.round_trips.observe(time.perf_counter() - sent)
     finally:
         flying.discard(command)
 

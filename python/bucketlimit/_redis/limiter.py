@@ -22,6 +22,7 @@ from typing import (
 )
 
 from bucketlimit import _core
+from bucketlimit._histogram import Histogram
 from bucketlimit._redis import clients, leases
 from bucketlimit._redis.clients import DEFAULT_TIMEOUT, LazyClient, client_from_url
 from bucketlimit._redis.errors import ExactRangeError
@@ -310,6 +311,12 @@ class RedisLimiter(Generic[C]):
         stats["breaker_openings"] = sum(breaker.openings for breaker in breakers)
         stats["breaker_open"] = sum(breaker.open for breaker in breakers)
         return cast("RedisLimiterStats", stats)
+
+    def histograms(self) -> list[tuple[str, dict[str, str], Histogram]]:
+        """This object's histograms, ``(name, labels, histogram)``: the seconds each
+        command took the store to answer (``store_round_trip_seconds``), which
+        ``bucketlimit.metrics`` exports (docs/metrics.md)."""
+        return [("store_round_trip_seconds", {}, self._state.round_trips)]
 
     def _lease_allow(self, key: str, cost: object) -> Flow[_core.Decision]:
         """The slow path of a leased ``allow`` (no lease answered)."""

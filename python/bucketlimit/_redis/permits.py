@@ -38,6 +38,7 @@ from typing import Any, Final
 
 from bucketlimit import _core
 from bucketlimit._core import ConcurrencyLimiter, Decision
+from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram
 from bucketlimit._redis.clients import LazyClient
 from bucketlimit._redis.errors import ConfigurationError, NoPermissionError
 from bucketlimit._redis.flows import (
@@ -330,6 +331,7 @@ class PermitState(StoreState):
         self.script: Script = GENERAL
         self.name = name
         self.counters = Counters()
+        self.round_trips = Histogram(ROUND_TRIP_BUCKETS)
         self.policy: Policy = policy
         self.retry_interval = retry_interval
         self.processes = Processes(processes)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Final, Protocol
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
+from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram
 from bucketlimit._redis.clients import LazyClient
 from bucketlimit._redis.keys import Keys, key_slot
 from bucketlimit._redis.resilience import (
@@ -197,6 +198,8 @@ class Store(Protocol):
     @property
     def counters(self) -> Counters: ...
     @property
+    def round_trips(self) -> Histogram: ...
+    @property
     def processes(self) -> Processes: ...
     @property
     def breakers(self) -> Breakers: ...
@@ -235,6 +238,9 @@ class StoreState:
     clock: Callable[[], float] | None
     breakers: Breakers
     counters: Counters
+    #: Seconds each command took to answer (``drivers.send``): the limiter's
+    #: ``histograms()``, which bucketlimit.metrics exports.
+    round_trips: Histogram
     name: str
     _warned: bool
     #: The commands on their way to the store now (each sent is its own token), and
@@ -386,6 +392,7 @@ class LimiterState(StoreState):
         self.leasing = leasing
         self.name = name
         self.counters = Counters()
+        self.round_trips = Histogram(ROUND_TRIP_BUCKETS)
         self.policy: Policy = policy
         self.retry_interval = retry_interval
         # Counted only where the count is used: the "local" share.

@@ -16,8 +16,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypedDict, TypeVar, ca
 
 from bucketlimit import _config
 from bucketlimit._core import ConcurrencyLimiter, Decision
+from bucketlimit._histogram import Histogram
+from bucketlimit._stats import LimitStats
 from bucketlimit._web import profiles
 from bucketlimit._web.buckets import LimitString
+from bucketlimit._web.counting import LimitCounters
 from bucketlimit._web.errors import ConfigurationError, KeyFunctionError, LimitStringError
 from bucketlimit._web.fields import RefusalHook, partition_key, retry_after_seconds, window_seconds
 from bucketlimit._web.limiters import (
@@ -29,6 +32,21 @@ from bucketlimit._web.limiters import (
 from bucketlimit._web.procedure import H, Procedure, RequestLimitsLike, apply_limit, apply_limits
 
 logger = logging.getLogger("bucketlimit")
+
+#: The counters of a limit's Redis limiters that its ``stats()`` reports too: the
+#: store's health, beside the requests (their own decision counters are not: the
+#: limit counts its requests itself).
+STORE_STATS = (
+    "store_calls",
+    "store_errors",
+    "script_loads",
+    "fallback_decisions",
+    "refusal_cache_hits",
+    "lost_refunds",
+    "lost_releases",
+    "breaker_openings",
+    "breaker_open",
+)
 
 R = TypeVar("R")  # the framework's request type
 
@@ -336,7 +354,8 @@ class LimitSettings(Generic[R]):
         self.exempt = exempt
         self.on_refusal = on_refusal
         self._pk_secret = _check_pk(pk)
-        self._shadow_refusals = 0
+        #: What the limit counts per request (:meth:`stats`, :meth:`histograms`).
+        self.counters = LimitCounters()
         _register(self)
 
     @property
@@ -498,7 +517,49 @@ class LimitSettings(Generic[R]):
     @property
     def shadow_refusals(self) -> int:
         """Requests a shadow limit would have refused (always 0 when not shadow)."""
-        return self._shadow_refusals
+        return self.counters.shadow_refusals
+
+    def stats(self) -> LimitStats:
+        """What the limit counted, one outcome per request it decided
+        (``requests_allowed``, ``requests_refused``, ``requests_given_back``,
+        ``requests_abandoned``; :mod:`bucketlimit._web.counting` says which is
+        which), ``shadow_refusals``; with a concurrency limit, its requests' permits
+        in this process, named as a concurrency limiter names them: ``granted``,
+        ``expired``, ``in_flight`` and ``waiting``; and the store's counters of its
+        Redis limiters (``store_calls``, ``store_errors``, ...: :data:`STORE_STATS`,
+        the sum of both when it has a limiter and a concurrency limiter). A limit of
+        several limit strings counts on its :attr:`parts`. What
+        ``bucketlimit.metrics`` exports under the limit's name."""
+        stats = self.counters.stats(permits=self._concurrency is not None)
+        for limiter in self._own_limiters():
+            for name, value in limiter.stats().items():
+                if name in STORE_STATS and isinstance(value, int):
+                    stats[name] = stats.get(name, 0) + value
+        return cast(LimitStats, stats)
+
+    def histograms(self) -> list[tuple[str, dict[str, str], Histogram]]:
+        """The limit's histograms, ``(name, labels, histogram)``: the seconds each
+        request waited for its tokens (``wait_seconds``, ``resource="tokens"``) and
+        for its permit (``resource="permit"``) when it may wait (``max_wait``), and
+        its Redis limiters' ``store_round_trip_seconds``."""
+        found: list[tuple[str, dict[str, str], Histogram]] = []
+        if self.max_wait and (self._limiter is not None or self._pending):
+            found.append(("wait_seconds", {"resource": "tokens"}, self.counters.token_waits))
+        if self.max_wait and self._concurrency is not None:
+            found.append(("wait_seconds", {"resource": "permit"}, self.counters.permit_waits))
+        for limiter in self._own_limiters():
+            timed = getattr(limiter, "histograms", None)
+            if callable(timed):
+                found += timed()
+        return found
+
+    def _own_limiters(self) -> list[Any]:
+        """The limiters built for this limit (not a plan function's, nor a limit
+        string's before it is built), whose store counters it reports."""
+        own = [] if self._pending or not is_limiter(self._limiter) else [self._limiter]
+        if self._concurrency is not None:
+            own.append(self._concurrency)
+        return [limiter for limiter in own if callable(getattr(limiter, "stats", None))]
 
     def checked_key(self, key: object, where: object) -> str:
         """The key function's answer, or a :class:`KeyFunctionError` if there is none."""
@@ -535,8 +596,7 @@ class LimitSettings(Generic[R]):
             return False
         if not self.shadow:
             return True
-        with self._lock:
-            self._shadow_refusals += 1
+        self.counters.add("shadow_refusals")
         logger.info(
             "shadow limit %r would refuse %s (key %r, cost %d, retry after %s s)",
             self.name,

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from bucketlimit._core import Decision
 from bucketlimit._reservations import AsyncReservationLike, ReservationLike
+from bucketlimit._web.counting import LimitCounters
 from bucketlimit._web.errors import ConfigurationError
 from bucketlimit._web.fields import Applied
 from bucketlimit._web.limiters import AnyLimiter, ConcurrencyLimiterLike, is_limiter
@@ -69,6 +71,8 @@ class LimitSettingsLike(Protocol[R_contra]):
     def chosen(self, plan: object) -> tuple[AnyLimiter, str]: ...
     def partition_key(self, name: str, key: str) -> bytes | None: ...
     def refuses(self, decision: Decision, key: str, cost: int, where: object) -> bool: ...
+    @property
+    def counters(self) -> LimitCounters: ...
 
 
 class RequestLimitsLike(Protocol):
@@ -87,9 +91,14 @@ class RequestLimitsLike(Protocol):
         reservation: Reservation | AsyncReservation,
         headers: tuple[str, ...] | None = ...,
         before: tuple[Applied, ...] = ...,
+        *,
+        counters: LimitCounters | None = ...,
     ) -> None: ...
-    def others(self, owner: object) -> Iterable[Reservation | AsyncReservation]: ...
-    def hold(self, permit: Any, ttl: float | None) -> None: ...
+    def refused_by(self, owner: object) -> Iterable[Reservation | AsyncReservation]: ...
+    def abandoned(self, owner: Any) -> Iterable[Reservation | AsyncReservation]: ...
+    def hold(
+        self, permit: Any, ttl: float | None, counters: LimitCounters | None = ...
+    ) -> None: ...
 
 
 def apply_limit(
@@ -140,36 +149,41 @@ def apply_limit(
         )
         if not permit and limit.refuses(conc.decision, key, 1, where):
             held = hold(limiter, key, 0, conc.decision)
-            limits.add(limit, conc, held, limit.headers)
-            for other in limits.others(limit):  # the request did not run
+            limits.add(limit, conc, held, limit.headers, counters=limit.counters)
+            for other in limits.refused_by(limit):  # the request did not run
                 yield other.cancel, ()
             return held, True
         if permit:
-            limits.hold(permit, getattr(concurrency, "ttl", None))
+            limit.counters.add("permits_granted")
+            limits.hold(permit, getattr(concurrency, "ttl", None), limit.counters)
         else:  # a shadow limit's would-be refusal: the request goes on without one
             permit = None
         if limiter is None:  # concurrency alone
             held = hold(limiter, key, 0, conc.decision)
             held.permit = permit
-            limits.add(limit, conc, held, limit.headers)
+            limits.add(limit, conc, held, limit.headers, counters=limit.counters)
             return held, False
         before = (conc,)
     core: ReservationLike | AsyncReservationLike | None = None
     if can_never_pass(cost, limiter):
         decision = never((yield limiter.peek, (key, limiter.capacity)))
     elif limit.max_wait:  # wait for the tokens, or be refused at once (nothing spent)
+        started = time.monotonic()
         try:
             waited = yield token_waiting(limiter, limit.max_wait), (key, cost)
         except ClientDisconnected:  # the wait gave its tokens back; so do the others
             if permit is not None:
                 yield permit.release, ()
-            for other in limits.others(limit):
+            for other in limits.abandoned(limit):
                 yield other.cancel, ()
             raise
         if not isinstance(waited, Decision):  # a reservation, to settle through
             core, decision = waited, waited.decision
         else:
             decision = waited
+        if decision.allowed:  # the limiter's own delay when it says, else as measured
+            delay = waited.delay if core is not None else time.monotonic() - started
+            limit.counters.token_waits.observe(delay)
     else:
         decision = yield limiter.allow, (key, cost)
     held = hold(limiter, key, cost if decision.allowed else 0, decision)
@@ -177,12 +191,12 @@ def apply_limit(
     if core is not None and decision.allowed:
         held.settle_through(core)
     applied = Applied.of(limiter, decision, name, cost=cost, pk=limit.partition_key(name, key))
-    limits.add(limit, applied, held, limit.headers, before)
+    limits.add(limit, applied, held, limit.headers, before, counters=limit.counters)
     if not limit.refuses(decision, key, cost, where):
         return held, False
     if permit is not None:  # the request does not run: its permit goes to the next
         yield permit.release, ()
-    for other in limits.others(limit):  # the request did not run: refund the others
+    for other in limits.refused_by(limit):  # the request did not run: refund the others
         yield other.cancel, ()
     return held, True
 
@@ -211,17 +225,31 @@ def _take_permit(
     key: str,
     limits: RequestLimitsLike,
 ) -> Procedure[Any]:
-    """The request's permit: ``try_acquire``, or with ``max_wait`` a wait for one in
-    arrival order (its own procedure, so that a client that disconnects while it
-    waits leaves the queue and the others give back what they hold)."""
+    """The request's permit: ``try_acquire``; refused, with ``max_wait`` a wait for one
+    in arrival order (its own procedure, so that a client that disconnects while it
+    waits leaves the queue and the others give back what they hold), counted while
+    it waits and timed (as measured: a permit frees when another request ends; 0
+    when it did not wait)."""
+    permit = yield concurrency.try_acquire, (key,)
     if not limit.max_wait:
-        return (yield concurrency.try_acquire, (key,))
+        return permit
+    counters = limit.counters
+    if permit:
+        counters.permit_waits.observe(0.0)
+        return permit
+    started = time.monotonic()
+    counters.add("permits_waiting")
     try:
-        return (yield permit_waiting(concurrency, limit.max_wait), (key,))
+        permit = yield permit_waiting(concurrency, limit.max_wait), (key,)
     except ClientDisconnected:
-        for other in limits.others(limit):
+        for other in limits.abandoned(limit):
             yield other.cancel, ()
         raise
+    finally:
+        counters.add("permits_waiting", -1)
+    if permit:
+        counters.permit_waits.observe(time.monotonic() - started)
+    return permit
 
 
 def can_never_pass(cost: int, limiter: AnyLimiter) -> bool:

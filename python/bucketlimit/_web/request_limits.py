@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from bucketlimit._web import profiles
+from bucketlimit._web.counting import ABANDONED, ALLOWED, GIVEN_BACK, REFUSED, LimitCounters
 from bucketlimit._web.errors import ConfigurationError
 from bucketlimit._web.fields import (
     Applied,
@@ -37,6 +38,7 @@ class _Entry:
     reservation: Reservation | AsyncReservation
     headers: tuple[str, ...] | None = None
     before: tuple[Applied, ...] = ()  # the limit's other members (its concurrency)
+    counters: LimitCounters | None = None  # where its outcome is counted, once
 
     @property
     def members(self) -> tuple[Applied, ...]:
@@ -65,6 +67,7 @@ class RequestLimits:
     """
 
     __slots__ = (
+        "_holders",
         "_renew_at",
         "_ttl",
         "checks_store",
@@ -90,29 +93,42 @@ class RequestLimits:
         self.storage = storage
         #: The permits the request holds, until :meth:`close`.
         self.permits: list[Any] = []
+        # Per permit: its limit's counters, its ttl and when it was last renewed.
+        self._holders: list[_Holder] = []
         #: Whether an adapter has arranged for :meth:`close` at the end of a streamed
         #: response (so that nothing else closes it sooner).
         self.closing = False
         self._ttl = math.inf  # the shortest ttl of the permits held
         self._renew_at = math.inf  # time.monotonic() of their next renewal
 
-    def hold(self, permit: Any, ttl: float | None) -> None:
+    def hold(self, permit: Any, ttl: float | None, counters: LimitCounters | None = None) -> None:
         """Keeps ``permit`` (granted) until :meth:`close`; ``ttl`` (its limiter's, or
-        ``None``) paces :meth:`keep_alive`."""
+        ``None``) paces :meth:`keep_alive`; ``counters`` (its limit's) count it in
+        flight until then, and expired when it outlives its ttl."""
+        now = time.monotonic()
         self.permits.append(permit)
+        self._holders.append(_Holder(counters, math.inf if ttl is None else ttl, now))
+        if counters is not None:
+            counters.add("permits_in_flight")
         if ttl is not None and ttl < self._ttl:
             self._ttl = ttl
-            self._renew_at = min(self._renew_at, time.monotonic() + ttl * RENEW_AFTER)
+            self._renew_at = min(self._renew_at, now + ttl * RENEW_AFTER)
 
     def close(self) -> Awaitable[None] | None:
         """Releases every permit the request holds, each once (a permit's ``release``
         frees nothing the second time, so an early ``reservation.release()`` is
         safe). Returns an awaitable to await when a release was a coroutine (an
         asyncio Redis limiter's), else ``None``. A release that fails is logged: the
-        permit then frees at its expiry."""
+        permit then frees at its expiry. A permit held longer than its ttl since it
+        was taken or last renewed is counted expired (its slot went to another)."""
         if not self.permits:
             return None
+        self._check_expiry(time.monotonic())
         permits, self.permits = self.permits, []
+        holders, self._holders = self._holders, []
+        for holder in holders:
+            if holder.counters is not None:
+                holder.counters.add("permits_in_flight", -1)
         self._renew_at = math.inf
         return _each(permits, "release")
 
@@ -120,10 +136,55 @@ class RequestLimits:
         """Renews the permits once a third of their ttl has passed since they were
         taken or last renewed (cheap to call at every chunk of a streamed body).
         Returns an awaitable to await when a renewal was a coroutine."""
-        if not self.permits or time.monotonic() < self._renew_at:
+        now = time.monotonic()
+        if not self.permits or now < self._renew_at:
             return None
-        self._renew_at = time.monotonic() + self._ttl * RENEW_AFTER
+        self._renew_at = now + self._ttl * RENEW_AFTER
+        self._check_expiry(now)
         return _each(self.permits, "renew")
+
+    def _check_expiry(self, now: float) -> None:
+        """Counts expired each permit that went its ttl without a renewal (its slot
+        went to another request): what a renewal or the release finds."""
+        for holder in self._holders:
+            if not holder.expired and now - holder.renewed >= holder.ttl:
+                holder.expired = True
+                if holder.counters is not None:
+                    holder.counters.add("permits_expired")
+            holder.renewed = now
+
+    def answered(self) -> None:
+        """The request goes on to run (or ran): every limit that admitted it and was
+        not counted yet counts it ``allowed``. Each adapter calls it once the
+        request's limits have all decided (its response starts, or ends); again, it
+        counts nothing."""
+        self._count(self.entries, ALLOWED)
+
+    def refused_by(self, owner: object) -> list[Reservation | AsyncReservation]:
+        """``owner`` (the last limit applied) refused the request: counts it
+        ``refused`` there and ``given_back`` by the limits before it; returns their
+        reservations, to cancel (the request did not run)."""
+        self._count([e for e in self.entries if e.owner is owner], REFUSED)
+        return self._others_counted(owner, GIVEN_BACK)
+
+    def abandoned(self, owner: Any) -> list[Reservation | AsyncReservation]:
+        """The client went away while ``owner`` (a limit) made the request wait:
+        counts it ``abandoned`` there and by the limits before it; returns their
+        reservations, to cancel."""
+        owner.counters.add(ABANDONED)
+        return self._others_counted(owner, ABANDONED)
+
+    def _others_counted(self, owner: object, outcome: str) -> list[Reservation | AsyncReservation]:
+        others = [e for e in self.entries if e.owner is not owner]
+        self._count(others, outcome)
+        return [e.reservation for e in others]
+
+    @staticmethod
+    def _count(entries: list[_Entry], outcome: str) -> None:
+        for entry in entries:
+            counters, entry.counters = entry.counters, None  # each entry once
+            if counters is not None:
+                counters.add(outcome)
 
     def find(self, owner: object) -> Reservation | AsyncReservation | None:
         """The reservation ``owner`` already made for this request (a limit applies once)."""
@@ -139,9 +200,12 @@ class RequestLimits:
         reservation: Reservation | AsyncReservation,
         headers: tuple[str, ...] | None = None,
         before: tuple[Applied, ...] = (),
+        *,
+        counters: LimitCounters | None = None,
     ) -> None:
         """Records ``owner``'s answer: ``applied`` is the member that decided,
-        ``before`` the limit's other members (its concurrency policy's)."""
+        ``before`` the limit's other members (its concurrency policy's); its
+        outcome is counted in ``counters`` (the limit's) once it is known."""
         names = {a.name for e in self.entries for a in e.members}
         for member in (*before, applied):
             if member.name in names:
@@ -150,11 +214,7 @@ class RequestLimits:
                     "a route needs its own name= (they are reported as one RateLimit "
                     "field with one member per name)"
                 )
-        self.entries.append(_Entry(owner, applied, reservation, headers, before))
-
-    def others(self, owner: object) -> list[Reservation | AsyncReservation]:
-        """Every reservation but ``owner``'s: refunded when ``owner`` refuses."""
-        return [e.reservation for e in self.entries if e.owner is not owner]
+        self.entries.append(_Entry(owner, applied, reservation, headers, before, counters))
 
     def _profile(self, entry: _Entry) -> tuple[str, ...]:
         return self.headers if entry.headers is None else entry.headers
@@ -222,6 +282,16 @@ class RequestLimits:
             raise LookupError("no limit applied to this request")
         names = [e.applied.name for e in self.entries]
         raise LookupError(f"several limits apply to this request; name one of {names!r}")
+
+
+@dataclass
+class _Holder:
+    """What a request knows of a permit it holds: for its limit's counters."""
+
+    counters: LimitCounters | None
+    ttl: float
+    renewed: float  # time.monotonic() when granted or last renewed (or asked to be)
+    expired: bool = False  # counted expired already
 
 
 def _each(permits: list[Any], method: str) -> Awaitable[None] | None:

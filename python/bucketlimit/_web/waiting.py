@@ -86,12 +86,12 @@ def token_waiting(limiter: AnyLimiter, max_wait: float) -> Waiting:
 
 
 def permit_waiting(concurrency: ConcurrencyLimiterLike, max_wait: float) -> Waiting:
-    """The step that waits up to ``max_wait`` seconds for a permit: ``acquire(key,
-    timeout=max_wait)`` in a synchronous driver (the thread waits), and in an
-    async one ``try_acquire`` first, then ``acquire_async`` (or the asyncio
-    limiter's ``acquire``) raced against ``disconnected``: a client that goes
-    away leaves the queue (a permit handed to it meanwhile is released) and
-    :class:`ClientDisconnected` is raised."""
+    """The step that waits up to ``max_wait`` seconds for a permit (the procedure
+    asked ``try_acquire`` first): ``acquire(key, timeout=max_wait)`` in a
+    synchronous driver (the thread waits), and in an async one ``acquire_async``
+    (or the asyncio limiter's ``acquire``) raced against ``disconnected``: a client
+    that goes away leaves the queue (a permit handed to it meanwhile is released)
+    and :class:`ClientDisconnected` is raised."""
     timeout = max_wait
     waits: Any = concurrency
 
@@ -101,10 +101,6 @@ def permit_waiting(concurrency: ConcurrencyLimiterLike, max_wait: float) -> Wait
     async def asynchronous(
         key: str, disconnected: Callable[[], Awaitable[object]] | None = None
     ) -> Any:
-        now = waits.try_acquire(key)
-        permit = await now if inspect.isawaitable(now) else now
-        if permit:
-            return permit
         acquire = getattr(waits, "acquire_async", None)
         answer = (acquire if callable(acquire) else waits.acquire)(key, timeout=timeout)
         if not inspect.isawaitable(answer):

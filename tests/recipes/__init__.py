@@ -1,0 +1,1 @@
+"""The recipes of docs/recipes/, run whole: their examples under real servers."""
