@@ -33,6 +33,7 @@ from bucketlimit._redis.flows import Flow, Flowing, Part, check_wait
 from bucketlimit._redis.keys import Keys
 from bucketlimit._redis.limiter import check_client
 from bucketlimit._redis.limiter import state_of as bucket_state_of
+from bucketlimit._redis.module import Engine, EngineName, check_engine
 from bucketlimit._redis.permits import Held, Local, PermitPart, PermitState, Sleep
 from bucketlimit._redis.resilience import (
     LOCAL,
@@ -356,6 +357,7 @@ class Options(TypedDict, total=False):
     on_store_error: Policy
     processes: SupportsIndex | None
     retry_interval: float
+    engine: EngineName
 
 
 class RedisConcurrency(Generic[C]):
@@ -378,6 +380,7 @@ class RedisConcurrency(Generic[C]):
         on_store_error: Policy = LOCAL,
         processes: SupportsIndex | None = None,
         retry_interval: float = 1.0,
+        engine: EngineName = "auto",
     ) -> None:
         cluster = check_client(client, asyncio=self._asyncio, other=self._other)
         probe = _core_limiter(limit, ttl)
@@ -402,6 +405,7 @@ class RedisConcurrency(Generic[C]):
             processes=check_processes(processes),
             retry_interval=check_retry_interval(retry_interval),
             name=f"{type(self).__name__}(prefix={prefix!r})",
+            engine=Engine(check_engine(engine)),
         )
         self._owned: LazyClient | None = None
 
@@ -431,6 +435,12 @@ class RedisConcurrency(Generic[C]):
     @property
     def limit(self) -> int:
         return self._state.limit
+
+    @property
+    def engine(self) -> EngineName:
+        """What runs the calls in the store: ``"auto"``, ``"module"`` or ``"lua"``
+        (docs/redis.md, "The module")."""
+        return self._state.engine.name
 
     @property
     def ttl(self) -> float:

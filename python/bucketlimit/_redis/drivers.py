@@ -19,13 +19,14 @@ import time
 from typing import Any, Final, TypeVar
 
 from bucketlimit._core import Decision
-from bucketlimit._redis import flows
+from bucketlimit._redis import flows, module
 from bucketlimit._redis.clients import LIBRARIES
 from bucketlimit._redis.errors import (
     REDIRECTED,
     AskError,
     ClientConnectionError,
     ClusterError,
+    LibraryError,
     MaxConnectionsError,
     MovedError,
     TryAgainError,
@@ -88,17 +89,31 @@ def send(state: Store, command: Command) -> Any:
             raise RuntimeError(state.closing())
         client = state.client if state.client is not None else state.connect()
         call = getattr(client, command.name)
+        argv = command.argv
+        twin = module.twin(state, argv) if state.engine.module else None
         waited = 0.0
         while True:
             try:
-                return call(*command.argv)
+                if twin is not None:
+                    return module.parsed(call(*twin))
+                return call(*argv)
             except MaxConnectionsError:
                 if waited >= POOL_WAIT:
                     raise
                 time.sleep(POOL_STEP)
                 waited += POOL_STEP
+            except LibraryError as error:
+                without_module(state, twin, error)
+                twin = None
     finally:
         flying.discard(command)
+
+
+def without_module(state: Store, twin: tuple[Any, ...] | None, error: BaseException) -> None:
+    """A module command the server does not know (nothing ran): under ``engine="auto"``
+    the script goes instead (returns, the caller sends it); else ``error`` goes on."""
+    if twin is None or not module.unknown(error) or not state.engine.absent(state.name, error):
+        raise error
 
 
 async def send_async(state: Store, command: Command) -> Any:
@@ -111,23 +126,31 @@ async def send_async(state: Store, command: Command) -> Any:
         if state.closed:
             raise RuntimeError(state.closing())
         client = state.client if state.client is not None else state.connect()
-        try:
-            return await _sent_async(getattr(client, command.name), command.argv)
-        except ClusterError as storm:
-            if (
-                command.name != "execute_command"
-                or not command.keys
-                or classify(storm) != REDIRECTED
-            ):
-                raise
-            return await follow_asks(client, command.argv, command.keys[0], storm)
-        except ClientConnectionError as refused:
-            node = unstarted_node(client, command, refused)
-            if node is None:
-                raise
-            return await node.execute_command(*command.argv)
+        twin = module.twin(state, command.argv) if state.engine.module else None
+        if twin is not None:
+            try:
+                return module.parsed(await _sent_on(client, command, twin))
+            except LibraryError as error:
+                without_module(state, twin, error)
+        return await _sent_on(client, command, command.argv)
     finally:
         flying.discard(command)
+
+
+async def _sent_on(client: Any, command: Command, argv: tuple[Any, ...]) -> Any:
+    """``argv`` (the command's, or its module twin) awaited on ``client``, following
+    a cluster client's redirection storm or unstarted node (see below)."""
+    try:
+        return await _sent_async(getattr(client, command.name), argv)
+    except ClusterError as storm:
+        if command.name != "execute_command" or not command.keys or classify(storm) != REDIRECTED:
+            raise
+        return await follow_asks(client, argv, command.keys[0], storm)
+    except ClientConnectionError as refused:
+        node = unstarted_node(client, command, refused)
+        if node is None:
+            raise
+        return await node.execute_command(*argv)
 
 
 async def _sent_async(call: Any, argv: tuple[Any, ...]) -> Any:

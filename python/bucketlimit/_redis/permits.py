@@ -59,6 +59,7 @@ from bucketlimit._redis.flows import (
     unanswered,
 )
 from bucketlimit._redis.keys import Keys, check_one_slot
+from bucketlimit._redis.module import Engine
 from bucketlimit._redis.resilience import (
     CLOSED,
     LOCAL,
@@ -355,8 +356,10 @@ class PermitState(StoreState):
         processes: int | None,
         retry_interval: float,
         name: str,
+        engine: Engine,
     ) -> None:
         self.source = client
+        self.engine = engine
         self.client: Any = None if isinstance(client, LazyClient) else client
         self.cluster = cluster
         self.limit = limit

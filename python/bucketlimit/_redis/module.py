@@ -1,0 +1,191 @@
+"""The Redis/Valkey module's commands: the twins of ``bucket.lua``'s calls (docs/redis.md,
+"The module").
+
+The module (``module/`` in the source tree, shipped as the file
+``bucketlimit.redis.module_path()`` names) runs the core's arithmetic inside the
+server, on the values the script stores, so a key may be served by either. A
+limiter's :class:`Engine` says which it uses: ``"auto"`` (the default) sends the
+module's command and, when the server says it has none (``unknown command``:
+nothing ran), goes back to the script for good; ``"module"`` only the module;
+``"lua"`` only the script.
+
+The flows build every call as the script's command (``flows.ScriptCommand``);
+the drivers send its twin here instead (:func:`twin`): the same keys, the values
+each command takes (the module's commands name the configuration that a
+limiter's own form of the script has written in), and a reply of the script's
+shape (:func:`parsed`). A call with no twin (the heartbeat, a call over token
+buckets and permit keys together) goes as the script.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any, Final, Literal
+
+logger = logging.getLogger("bucketlimit")
+
+#: What a limiter runs its calls with (the constructors' ``engine``).
+EngineName = Literal["auto", "module", "lua"]
+ENGINES: Final = ("auto", "module", "lua")
+
+#: The module file's name in the package (not importable: a hyphen).
+MODULE_FILE: Final = "bucketlimit-redis.so"
+
+# The script's mode (ARGV[2]) -> the module's command and how many of the script's
+# 4 more values per key it takes (a reservation its max_wait, a give-back its line
+# and cost, an observe its age).
+_BUCKETS: Final = {
+    b"a": ("BUCKETLIMIT.ALLOW", 0),
+    b"p": ("BUCKETLIMIT.PEEK", 0),
+    b"v": ("BUCKETLIMIT.RESERVE", 1),
+    b"c": ("BUCKETLIMIT.CHARGE", 0),
+    b"r": ("BUCKETLIMIT.GIVEBACK", 4),
+    b"o": ("BUCKETLIMIT.OBSERVE", 1),
+    b"l": ("BUCKETLIMIT.LEASE", 5),
+}
+_PERMITS: Final = {
+    b"T": "BUCKETLIMIT.TAKE",
+    b"Q": "BUCKETLIMIT.QUEUE",
+    b"W": "BUCKETLIMIT.POLL",
+    b"G": "BUCKETLIMIT.GIVEUP",
+    b"X": "BUCKETLIMIT.ABANDON",
+    b"R": "BUCKETLIMIT.RELEASE",
+    b"N": "BUCKETLIMIT.RENEW",
+    b"K": "BUCKETLIMIT.VALID",
+    b"I": "BUCKETLIMIT.INFLIGHT",
+}
+_MANY: Final = "BUCKETLIMIT.MANY"
+_SCRIPT_CALLS: Final = (b"EVALSHA", b"EVAL", "EVALSHA", "EVAL")
+#: Values per key in the script's general form (bucket.lua).
+_PER_KEY: Final = 9
+
+
+def module_path() -> str:
+    """The path of the Redis/Valkey module file shipped in the package, for
+    ``redis-server --loadmodule`` (docs/redis.md, "The module"). Raises
+    ``FileNotFoundError`` when this build has none (one built from the sdist
+    without ``make module``)."""
+    path = str(resources.files("bucketlimit").joinpath(MODULE_FILE))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"this build of bucketlimit ships no Redis module ({path} is missing): "
+            "install a wheel, or build it from the source tree with `make module`"
+        )
+    return path
+
+
+def check_engine(engine: object) -> EngineName:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+    return engine  # type: ignore[return-value,unused-ignore]  # checked above
+
+
+class Engine:
+    """Which a limiter runs: the module's commands (``module``), or the script.
+    ``"auto"`` sends the module's until a server says it has none."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, name: EngineName) -> None:
+        self.name = name
+        #: Whether the drivers send the module's commands now.
+        self.module = name != "lua"
+
+    def absent(self, limiter: str, error: BaseException) -> bool:
+        """A server answered a module command with ``unknown command``: under
+        ``"auto"`` the limiter goes back to the script (True: send it instead);
+        under ``"module"`` the call fails (False)."""
+        if self.name != "auto":
+            return False
+        if self.module:
+            self.module = False
+            logger.debug(
+                "%s: the server has no bucketlimit module (%s); the Lua scripts serve it",
+                limiter,
+                error,
+            )
+        return True
+
+
+def unknown(error: BaseException) -> bool:
+    """The server has no such command (the module is not loaded): the server's
+    reply, or a cluster client's, which looks its commands up first."""
+    message = str(error)
+    return message.lower().startswith("unknown command") or "command doesn't exist" in message
+
+
+def twin(state: Any, argv: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The module's command for ``argv``, a script call of ``state`` (a token bucket
+    or a concurrency limiter's state): its own form (``state.own``) or the general
+    form (``state.script``); ``None`` when it has none."""
+    if not argv or argv[0] not in _SCRIPT_CALLS:
+        return None
+    script, n = argv[1], argv[2]
+    keys, args = argv[3 : 3 + n], argv[3 + n :]
+    own = getattr(state, "own", None)
+    if own is not None and script in (own.sha, own.source):
+        return _own(state, keys, args)
+    general = state.script
+    if script in (general.sha, general.source):
+        return _general(keys, args)
+    return None
+
+
+def _own(state: Any, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """A limiter's own form: cost, mode, now, then up to 5 more (all optional)."""
+    mode = _bytes(args[1]) if len(args) > 1 else b"a"
+    config = (state.capacity, state.unit, state.p)
+    now = args[2] if len(args) > 2 else b""
+    if mode == b"m":
+        costs = [*args[3:], *[b""] * (len(keys) - len(args[3:]))]  # absent: 1
+        pairs: list[Any] = []
+        for key, cost in zip(keys, costs, strict=True):
+            pairs += (key, cost)
+        return (_MANY, now, *config, *pairs)
+    found = _BUCKETS.get(mode)
+    if found is None:
+        return None
+    name, more = found
+    cost = args[0] if args else 1
+    extra = [*args[3 : 3 + more]]
+    extra += [b""] * (more - len(extra))
+    return (name, keys[0], now, *config, cost, *extra)
+
+
+def _general(keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The general form: ARGV[1] the permit keys (the last of KEYS), ARGV[2] the mode,
+    then 9 values per key."""
+    permits = int(args[0] or 0)
+    mode = _bytes(args[1])
+    if permits:
+        if permits != len(keys) or len(keys) != 1 or mode not in _PERMITS:
+            return None  # token buckets and permits in one call: the script
+        now, limit, ttl, lease, _, member, name, extra, _ = args[2 : 2 + _PER_KEY]
+        return (_PERMITS[mode], keys[0], now, limit, ttl, lease, member, name, extra)
+    found = _BUCKETS.get(mode)
+    if found is None:
+        return None
+    command, more = found
+    out: list[Any] = [command]
+    for i, key in enumerate(keys):
+        values = args[2 + i * _PER_KEY : 2 + (i + 1) * _PER_KEY]
+        out += (key, *values[:5], *values[5 : 5 + more])
+    return tuple(out)
+
+
+def _bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def parsed(reply: Any) -> Any:
+    """A module reply in the script's shape: integers past 2**63 - 1 (which the
+    module sends as decimal strings, where Lua's doubles could not reach) as
+    ints."""
+    if isinstance(reply, list):
+        return [parsed(item) for item in reply]
+    if isinstance(reply, bytes):
+        return int(reply)
+    return reply
