@@ -13,8 +13,9 @@ pub struct Server<'a> {
 }
 
 impl Server<'_> {
+    /// A key's name as the server's string: any bytes (`create_string` refuses a NUL).
     fn string(&self, bytes: &[u8]) -> RedisString {
-        self.ctx.create_string(bytes)
+        RedisString::create_from_slice(self.ctx.get_raw(), bytes)
     }
 }
 

@@ -363,3 +363,15 @@ def test_a_call_over_two_slots_is_refused(redis_server_factory: ServerFactory) -
         time.sleep(0.05)
     reply = command(client, "BUCKETLIMIT.ALLOW", "{a}:x", *group, "{a}:y", *group)
     assert reply[0] == 0, "allowed: one slot"
+
+
+def test_keys_of_any_bytes_reach_the_module(redis_server_factory: ServerFactory) -> None:
+    """A key with NUL bytes is a key like any other (it once aborted the server: the
+    module built its name as a C string)."""
+    server = redis_server_factory.start(module=True)
+    client = server.client()
+    limiter = RedisTokenBucketLimiter(client, 2, 1, ManualClock(), engine="module")
+    for key in ["a\x00b", "\x00", "{\x00}:\x00"]:
+        assert limiter.allow(key).remaining == 1, repr(key)
+        assert limiter.reserve(key, 2).delay == 1.0, repr(key)
+    assert client.ping(), "the server is alive"

@@ -27,6 +27,9 @@ from typing import Any, Final, Literal
 
 logger = logging.getLogger("bucketlimit")
 
+#: The core's debt bound in capacities (src/bucket.rs), which the module keeps.
+MAX_DEBT_CAPACITIES: Final = 1000
+
 #: What a limiter runs its calls with (the constructors' ``engine``).
 EngineName = Literal["auto", "module", "lua"]
 ENGINES: Final = ("auto", "module", "lua")
@@ -125,6 +128,8 @@ def twin(state: Any, argv: Sequence[Any]) -> tuple[Any, ...] | None:
         return None
     script, n = argv[1], argv[2]
     keys, args = argv[3 : 3 + n], argv[3 + n :]
+    if getattr(state, "debt_capacities", MAX_DEBT_CAPACITIES) < MAX_DEBT_CAPACITIES:
+        return None  # a bound the module does not keep (engine="auto": the script's)
     own = getattr(state, "own", None)
     if own is not None and script in (own.sha, own.source):
         return _own(state, keys, args)
