@@ -11,6 +11,9 @@ REMOVE_STALE_EXTENSIONS = $(if $(STALE_EXTENSIONS),rm -f $(STALE_EXTENSIONS))
 MODULE_FILE = python/bucketlimit/bucketlimit-redis.so
 # The wheel's module links against glibc 2.17 (manylinux2014), as its extension does.
 HOST_TARGET = $(shell rustc -vV | sed -n 's/^host: //p')
+# bindgen (the module's build script) under cargo zigbuild finds no C headers by
+# itself: the host's, and clang's own (stddef.h). Only redismodule.h's types are read.
+ZIG_BINDGEN_ARGS = -I$(firstword $(wildcard /usr/lib/llvm-*/lib/clang/*/include)) -I/usr/include -I/usr/include/$(shell uname -m)-linux-gnu
 
 .PHONY: help
 help: ## list the targets
@@ -42,7 +45,7 @@ wheel: ## build dist/: the sdist and one stripped abi3 wheel for CPython 3.10+ o
 	$(PY) -m pip install -q --group wheel
 	rm -f dist/bucketlimit-*
 	@$(PY) scripts/ensure_redis.py --libclang
-	cargo zigbuild --release --quiet -p bucketlimit-redis --target $(HOST_TARGET).2.17
+	BINDGEN_EXTRA_CLANG_ARGS="$(ZIG_BINDGEN_ARGS)" cargo zigbuild --release --quiet -p bucketlimit-redis --target $(HOST_TARGET).2.17
 	cp target/$(HOST_TARGET)/release/libbucketlimit_redis.so $(MODULE_FILE)
 	maturin build --release --zig --compatibility manylinux2014 --quiet --out dist
 	maturin sdist --out dist

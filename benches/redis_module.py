@@ -76,8 +76,9 @@ def throughput(port: int, seconds_each: int) -> dict[str, float]:
     lua = RedisTokenBucketLimiter(conn, 10**6, 10**6, prefix="lua-tp:", engine="lua")
     sha = conn.script_load(lua._state.own.source)
     p, unit = lua._state.p, lua._state.unit
+    config = [str(10**6), str(unit), str(p)]
     commands = {
-        "module allow": ["BUCKETLIMIT.ALLOW", "m:__rand_int__", "", str(10**6), str(unit), str(p), "1"],
+        "module allow": ["BUCKETLIMIT.ALLOW", "m:__rand_int__", "", *config, "1"],
         "Lua allow": ["EVALSHA", sha, "1", "l:__rand_int__"],
     }
     out = {}
