@@ -18,7 +18,6 @@ mod reply;
 mod server;
 mod stored;
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use redis_module::configuration::ConfigurationFlags;
@@ -78,7 +77,9 @@ fn buckets(
     for chunk in values.chunks(group) {
         parts.push(part(Args::new(name, chunk), op).map_err(error)?);
     }
-    distinct(name, parts.iter().map(|part| part.key))?;
+    if parts.len() > 1 {
+        distinct(name, &parts.iter().map(|part| part.key).collect::<Vec<_>>())?;
+    }
     let reply = buckets::run(&mut Server { ctx }, op, &parts, min_ttl_ms()).map_err(error)?;
     Ok(value(reply))
 }
@@ -118,11 +119,11 @@ fn part(mut a: Args<'_>, op: Op) -> Result<Part<'_>, Error> {
     Ok(part)
 }
 
-/// A call naming one key twice would read it twice and write it once.
-fn distinct<'a>(name: &str, keys: impl Iterator<Item = &'a [u8]>) -> Result<(), RedisError> {
-    let mut seen = HashSet::new();
-    for key in keys {
-        if !seen.insert(key) {
+/// A call naming one key twice would read it twice and write it once. (A call
+/// names a few keys: compared pairwise, nothing allocated for the common one.)
+fn distinct(name: &str, keys: &[&[u8]]) -> Result<(), RedisError> {
+    for (i, key) in keys.iter().enumerate() {
+        if keys[..i].contains(key) {
             return Err(RedisError::String(format!(
                 "ERR {name}: the call names the key '{}' twice",
                 String::from_utf8_lossy(key)
