@@ -375,3 +375,20 @@ def test_keys_of_any_bytes_reach_the_module(redis_server_factory: ServerFactory)
         assert limiter.allow(key).remaining == 1, repr(key)
         assert limiter.reserve(key, 2).delay == 1.0, repr(key)
     assert client.ping(), "the server is alive"
+
+
+def test_a_lease_that_leaves_tokens_in_the_bucket_is_ready_now(
+    redis_server_factory: ServerFactory,
+) -> None:
+    """A lease asked for 10 of a bucket holding 3.5 tokens, waiting at most 0 µs: it
+    gets the 3 whole tokens at once (delay 0, its call allowed), not a delay below
+    zero (what the script answers: ceil(-0.5 token / p))."""
+    server = redis_server_factory.start(module=True)
+    client = server.client()
+    client.set("{k}:k", f"{3 * MICROS + MICROS // 2} 0")
+    reply = command(
+        client, "BUCKETLIMIT.LEASE", "{k}:k", 0, 10, MICROS, 1, 1, 10, "me", MICROS, 0, 0
+    )
+    retry_after, remaining, _, granted, delay, returned, holders = reply
+    assert (retry_after, granted, delay) == (0, 3, 0), reply
+    assert (remaining, returned, holders) == (0, 0, 1), reply
