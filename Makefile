@@ -7,6 +7,13 @@ PY ?= python
 STALE_EXTENSIONS = $(wildcard python/bucketlimit/_core.*.so)
 # Expands to nothing (and prints nothing) when there are none.
 REMOVE_STALE_EXTENSIONS = $(if $(STALE_EXTENSIONS),rm -f $(STALE_EXTENSIONS))
+# The Redis/Valkey module (module/), shipped in the package: bucketlimit.redis.module_path().
+MODULE_FILE = python/bucketlimit/bucketlimit-redis.so
+# The wheel's module links against glibc 2.17 (manylinux2014), as its extension does.
+HOST_TARGET = $(shell rustc -vV | sed -n 's/^host: //p')
+# bindgen (the module's build script) under cargo zigbuild finds no C headers by
+# itself: the host's, and clang's own (stddef.h). Only redismodule.h's types are read.
+ZIG_BINDGEN_ARGS = -I$(firstword $(wildcard /usr/lib/llvm-*/lib/clang/*/include)) -I/usr/include -I/usr/include/$(shell uname -m)-linux-gnu
 
 .PHONY: help
 help: ## list the targets
@@ -18,17 +25,28 @@ install: ## build the extension (release) and install the package with its dev t
 	$(REMOVE_STALE_EXTENSIONS)
 	@echo "make install: building the Rust extension in release mode (half a minute or more the first time, silent while it compiles), then the dev tools"
 	$(PY) -m pip install -q -e . --group dev
+	$(MAKE) --no-print-directory module
 
 .PHONY: build
 build: ## rebuild the extension in place after a Rust change
 	$(REMOVE_STALE_EXTENSIONS)
 	maturin develop --release --quiet
+	$(MAKE) --no-print-directory module
+
+.PHONY: module
+module: ## build the Redis/Valkey module into the package (bucketlimit.redis.module_path())
+	@$(PY) scripts/ensure_servers.py --libclang
+	cargo build --release --quiet -p bucketlimit-redis
+	cp target/release/libbucketlimit_redis.so $(MODULE_FILE)
 
 .PHONY: wheel
-wheel: ## build dist/: the sdist and one stripped abi3 wheel for CPython 3.10+ on glibc 2.17+
+wheel: ## build dist/: the sdist and one stripped abi3 wheel for CPython 3.10+ on glibc 2.17+, with the Redis module
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --group wheel
 	rm -f dist/bucketlimit-*
+	@$(PY) scripts/ensure_servers.py --libclang
+	BINDGEN_EXTRA_CLANG_ARGS="$(ZIG_BINDGEN_ARGS)" cargo zigbuild --release --quiet -p bucketlimit-redis --target $(HOST_TARGET).2.17
+	cp target/$(HOST_TARGET)/release/libbucketlimit_redis.so $(MODULE_FILE)
 	maturin build --release --zig --compatibility manylinux2014 --quiet --out dist
 	maturin sdist --out dist
 	@ls -l dist

@@ -260,7 +260,7 @@ impl Bucket {
         };
         // Past the bound: refused until the refill brings it back within.
         let beyond = (-after) as u128;
-        let bound = MAX_DEBT_CAPACITIES * config.full;
+        let bound = config.max_debt;
         let over_bound = wait_for(config, beyond.saturating_sub(bound)).unwrap_or(0);
         // Delays shrink one for one with time: ceil((x - t*p)/p) = ceil(x/p) - t.
         let over_wait = max_wait.map_or(0, |limit| delay.saturating_sub(limit));
@@ -295,7 +295,7 @@ impl Bucket {
     /// debt, else `retry_after` = the time until the debt is paid.
     #[must_use]
     pub fn charged(self, config: &Config, cost: u64) -> (Decision, Bucket) {
-        let floor = -((MAX_DEBT_CAPACITIES * config.full) as i128);
+        let floor = -(config.max_debt as i128);
         let after = u128::from(cost)
             .checked_mul(config.unit)
             .and_then(|need| i128::try_from(need).ok())
@@ -431,7 +431,7 @@ impl Report {
         at: i64,
     ) -> Report {
         let unit = config.unit as i128;
-        let floor = -((MAX_DEBT_CAPACITIES * config.full) as i128);
+        let floor = -(config.max_debt as i128);
         let limit_given = limit.unwrap_or(config.capacity);
         let left = remaining.min(limit_given);
         let mut cap = i128::from(left.min(config.capacity)) * unit;

@@ -3,7 +3,9 @@
 //! `rate`, `bucket`, `registry`, `concurrency`, `combined`, `lease`, `clock`
 //! and `error` are plain Rust with their own tests; `py`, `py_checks`,
 //! `py_reserve`, `py_waits`, `py_concurrency`, `py_lease` and `py_types` (what
-//! they share) are the thin `PyO3` layer; this file registers the module.
+//! they share) are the thin `PyO3` layer, built with the `python` feature (on by
+//! default; the Redis module in `module/` links the core without it); this file
+//! registers the Python module.
 
 pub mod bucket;
 pub mod clock;
@@ -11,18 +13,27 @@ pub mod combined;
 pub mod concurrency;
 pub mod error;
 pub mod lease;
+#[cfg(feature = "python")]
 mod py;
+#[cfg(feature = "python")]
 mod py_checks;
+#[cfg(feature = "python")]
 mod py_concurrency;
+#[cfg(feature = "python")]
 mod py_lease;
+#[cfg(feature = "python")]
 mod py_reserve;
+#[cfg(feature = "python")]
 mod py_types;
+#[cfg(feature = "python")]
 mod py_waits;
 pub mod rate;
 pub mod registry;
 
+#[cfg(feature = "python")]
 use pyo3::prelude::*;
 
+#[cfg(feature = "python")]
 #[pymodule(gil_used = false)]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Rust `log` records go to the Python logger "bucketlimit". Nothing is

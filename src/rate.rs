@@ -102,6 +102,11 @@ pub struct Config {
     pub unit: u128,
     /// `capacity * unit`: the balance of a full bucket.
     pub full: u128,
+    /// The most units a bucket may owe: `MAX_DEBT_CAPACITIES * full`
+    /// (docs/design.md §4). Kept apart from `full` so that a bucket whose cap
+    /// is lowered (the Redis module's leased buckets) keeps the bound of its
+    /// capacity.
+    pub max_debt: u128,
     /// The rate's reduced denominator `q` (tokens per second = `per_micro / q`).
     pub rate_den: u128,
     /// `unit` and `per_micro` with precomputed reciprocals, for the two
@@ -225,10 +230,58 @@ impl Config {
             per_micro: p,
             unit,
             full,
+            max_debt: crate::bucket::MAX_DEBT_CAPACITIES * full,
             rate_den: q,
             unit_div: Divisor::new(unit),
             per_micro_div: Divisor::new(p),
         })
+    }
+
+    /// The configuration of a limiter from its exact units, as the Python layer
+    /// sends them to the Redis module (`_core.exact_units`): `capacity` tokens of
+    /// `unit` units each (a whole number of millionths of a token per µs), `p`
+    /// units refilled per microsecond.
+    ///
+    /// # Errors
+    /// [`Error::Capacity`] below 1; [`Error::OutOfRange`] for a unit that is not
+    /// a positive multiple of 1,000,000, or units beyond the exact range.
+    pub fn from_units(capacity: u64, unit: u128, p: u128) -> Result<Config, Error> {
+        if capacity < 1 {
+            return Err(Error::Capacity(capacity.to_string()));
+        }
+        let out_of_range = |what, value: String| Error::OutOfRange { what, value };
+        if unit == 0 || unit % MICROS != 0 {
+            return Err(out_of_range("unit", unit.to_string()));
+        }
+        let full = unit
+            .checked_mul(u128::from(capacity))
+            .filter(|&full| full <= MAX_UNITS)
+            .ok_or_else(|| out_of_range("capacity", format!("{capacity} of {unit} units")))?;
+        if p > MAX_UNITS {
+            return Err(out_of_range("p", p.to_string()));
+        }
+        Ok(Config {
+            capacity,
+            per_micro: p,
+            unit,
+            full,
+            max_debt: crate::bucket::MAX_DEBT_CAPACITIES * full,
+            rate_den: unit / MICROS,
+            unit_div: Divisor::new(unit),
+            per_micro_div: Divisor::new(p),
+        })
+    }
+
+    /// This configuration with its bucket's cap lowered to `top` units
+    /// (`top <= full`): what refills and spends see while the Redis module's
+    /// leases hold the rest (docs/design.md §6, "Hot keys: leases"). The debt
+    /// bound stays the capacity's.
+    #[must_use]
+    pub fn capped(&self, top: u128) -> Config {
+        Config {
+            full: top.min(self.full),
+            ..*self
+        }
     }
 
     /// Tokens per second, as a float (for display only).
@@ -355,6 +408,18 @@ mod tests {
             proptest::prop_assert_eq!(div.div_floor(a, d), a / d);
             proptest::prop_assert_eq!(div.div_ceil(a, d), a.div_ceil(d));
         }
+    }
+
+    #[test]
+    fn from_units_is_what_new_computes() {
+        let c = cfg(10, Number::Float(2.5), Number::Int(3));
+        assert_eq!(Config::from_units(10, c.unit, c.per_micro), Ok(c));
+        assert!(Config::from_units(0, 1_000_000, 1).is_err());
+        assert!(Config::from_units(1, 999_999, 1).is_err());
+        assert!(Config::from_units(u64::MAX, 1 << 60, 1).is_err());
+        assert!(Config::from_units(1, 1_000_000, MAX_UNITS + 1).is_err());
+        let top = c.capped(4 * c.unit);
+        assert_eq!((top.full, top.max_debt), (4 * c.unit, c.max_debt));
     }
 
     #[test]

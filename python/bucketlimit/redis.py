@@ -62,6 +62,7 @@ from bucketlimit._redis.errors import (
 from bucketlimit._redis.flows import Part, Reserved
 from bucketlimit._redis.leases import LeasePolicy
 from bucketlimit._redis.limiter import RedisLimiter, state_of
+from bucketlimit._redis.module import module_path
 from bucketlimit._redis.reservations import AsyncRedisReservation, RedisReservation
 from bucketlimit._redis.resilience import Policy
 from bucketlimit._redis.script import ALLOW, RESERVE
@@ -89,6 +90,7 @@ __all__ = [
     "allow_all",
     "allow_all_async",
     "client_from_url",
+    "module_path",
     "reserve_all",
     "reserve_all_async",
 ]

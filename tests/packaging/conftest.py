@@ -10,6 +10,7 @@ where ``.ci/run`` builds it first. ``BUCKETLIMIT_DIST`` names another folder.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tarfile
 import zipfile
@@ -98,6 +99,11 @@ def dist() -> Dist:
         for path in ([ROOT / name] if (ROOT / name).is_file() else (ROOT / name).rglob("*"))
         if path.is_file() and path.suffix not in {".so", ".pyc"} and "__pycache__" not in path.parts
     }
+    # maturin's sdist holds the package alone: the workspace's members (the Redis
+    # module, module/, which the wheel ships built) are dropped from its Cargo.toml.
+    checkout["Cargo.toml"] = re.sub(
+        rb"^(default-)?members = .*\n", b"", checkout["Cargo.toml"], flags=re.MULTILINE
+    )
     if in_wheel != package_sources() or in_sdist != checkout:
         unavailable(f"{folder} was built from other sources than this checkout: run `make wheel`")
     return Dist(wheel, sdist)

@@ -54,19 +54,26 @@ def test_the_wheel_is_abi3_and_manylinux2014(dist: Dist) -> None:
     machine = platform.machine()
     assert platforms.split(".") == [f"manylinux2014_{machine}", f"manylinux_2_17_{machine}"]
     with zipfile.ZipFile(dist.wheel) as archive:
-        extensions = [n for n in archive.namelist() if n.endswith(".so")]
+        extensions = sorted(n for n in archive.namelist() if n.endswith(".so"))
         wheel_file = archive.read(f"bucketlimit-{version}.dist-info/WHEEL").decode()
-    assert extensions == ["bucketlimit/_core.abi3.so"]
+    assert extensions == sorted(SHARED_OBJECTS), "the extension and the Redis module"
     assert f"Tag: cp310-abi3-manylinux_2_17_{machine}" in wheel_file
 
 
-@pytest.fixture(scope="module")
-def extension(dist: Dist, tmp_path_factory: pytest.TempPathFactory) -> Path:
+#: The shared objects the wheel ships: the Python extension and the Redis/Valkey module
+#: (bucketlimit.redis.module_path()), both for the wheel's glibc baseline.
+SHARED_OBJECTS = ("bucketlimit/_core.abi3.so", "bucketlimit/bucketlimit-redis.so")
+
+
+@pytest.fixture(scope="module", params=SHARED_OBJECTS)
+def extension(
+    dist: Dist, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Path:
     if shutil.which("objdump") is None:  # binutils: wherever the extension can be built
         pytest.fail("objdump (binutils) is needed to read the extension's symbols")
     folder = tmp_path_factory.mktemp("extension")
     with zipfile.ZipFile(dist.wheel) as archive:
-        return Path(archive.extract("bucketlimit/_core.abi3.so", folder))
+        return Path(archive.extract(request.param, folder))
 
 
 def test_the_extension_needs_nothing_newer_than_glibc_2_17(extension: Path) -> None:

@@ -31,6 +31,9 @@ version, prefix = sys.argv[1], Path(sys.prefix).resolve()
 assert "%d.%d" % sys.version_info[:2] == version, sys.version
 extension = Path(bucketlimit._core.__file__).resolve()
 assert extension.name == "_core.abi3.so" and extension.is_relative_to(prefix), extension
+# The Redis module ships beside it (bucketlimit.redis.module_path(), which needs no client).
+from bucketlimit._redis.module import module_path
+assert Path(module_path()).is_relative_to(prefix), module_path()
 
 clock = ManualClock()
 limiter = TokenBucketLimiter(capacity=2, rate=10, clock=clock)

@@ -38,6 +38,7 @@ from bucketlimit.redis import (
     RedisTokenBucketLimiter,
 )
 from bucketlimit.testing import ManualClock
+from tests.support.redis_servers import pin_min_ttl
 
 pytestmark = pytest.mark.interpreters
 
@@ -57,9 +58,17 @@ PinnedScript = Script(_pinned_source())
 class PinnedRedisLimiter(RedisTokenBucketLimiter):
     _script = PinnedScript
 
+    def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(client, *args, **kwargs)
+        pin_min_ttl(client)  # the module's twin of the raised line, when it serves
+
 
 class PinnedAsyncRedisLimiter(AsyncRedisTokenBucketLimiter):
     _script = PinnedScript
+
+    def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(client, *args, **kwargs)
+        pin_min_ttl(client)  # the module's twin of the raised line, when it serves
 
 
 # -- traces -------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from tests.support.redis_servers import (
     ServerFactory,
     command,
     free_port,
+    pin_min_ttl,
     redis_unavailable,
     server_binary,
 )
@@ -143,9 +144,17 @@ PINNED = Script(
 class Pinned(RedisTokenBucketLimiter):
     _script = PINNED
 
+    def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(client, *args, **kwargs)
+        pin_min_ttl(client)  # the module's twin of the raised line, when it serves
+
 
 class AsyncPinned(AsyncRedisTokenBucketLimiter):
     _script = PINNED
+
+    def __init__(self, client: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(client, *args, **kwargs)
+        pin_min_ttl(client)  # the module's twin of the raised line, when it serves
 
 
 def trace(seed: int, steps: int = 150) -> list[tuple[int, str, str, int]]:

@@ -20,6 +20,11 @@ Fixtures:
 
 No server is ever started on 6379 or as a system service; each runs with
 ``--save '' --appendonly no`` in its own directory under pytest's tmp path.
+
+With ``BUCKETLIMIT_TEST_MODULE=1`` in the environment every server loads the
+bucketlimit module (``bucketlimit.redis.module_path()``), so the limiters, on
+``engine="auto"``, run the module's commands instead of the Lua scripts: CI runs
+the Redis suites once each way (docs/redis.md, "The module").
 Without a ``redis-server`` (or ``valkey-server``) binary the tests needing it skip,
 saying how to get one; under ``CI=true`` they fail instead, so CI can never pass by
 skipping them.
@@ -45,10 +50,13 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from bucketlimit._redis.module import module_path
+
 # The helpers and the fixtures (redis_client, redis_cluster, ..., redis_url): a
 # conftest.py takes the fixtures with `from tests.support.redis_servers import *`.
 __all__ = [
     "SERVER_BINARIES",
+    "WITH_MODULE",
     "RedisServer",
     "ServerFactory",
     "redis_client",
@@ -61,6 +69,9 @@ __all__ = [
     "valkey_server",
     "valkey_server_factory",
 ]
+
+#: Whether the servers the tests start load the bucketlimit module (see above).
+WITH_MODULE = os.environ.get("BUCKETLIMIT_TEST_MODULE") == "1"
 
 #: The servers the tests can start: Redis, and Valkey (its fork, same protocol).
 SERVER_BINARIES = ("redis-server", "valkey-server")
@@ -138,10 +149,13 @@ class RedisServer:
         cluster: bool = False,
         extra_args: Sequence[str] = (),
         binary: str = "redis-server",
+        module: bool = WITH_MODULE,
     ):
         if binary not in SERVER_BINARIES:
             raise ValueError(f"binary must be one of {SERVER_BINARIES}, got {binary!r}")
         self.binary = binary
+        #: Whether it loads the bucketlimit module.
+        self.module = module
         self.directory = directory
         self.cluster = cluster
         self.extra_args = list(extra_args)  # more configuration, e.g. ["--maxmemory", "1mb"]
@@ -193,6 +207,8 @@ class RedisServer:
         ]  # fmt: skip
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        if self.module:
+            args += ["--loadmodule", module_path()]
         args += self.extra_args
         (self.directory / "redis.log").unlink(missing_ok=True)
         with open(self.directory / "output.log", "ab") as output:
@@ -285,17 +301,24 @@ class ServerFactory:
         self.servers: list[RedisServer] = []
 
     def start(
-        self, *, port: int | None = None, cluster: bool = False, extra_args: Sequence[str] = ()
+        self,
+        *,
+        port: int | None = None,
+        cluster: bool = False,
+        extra_args: Sequence[str] = (),
+        module: bool = WITH_MODULE,
     ) -> RedisServer:
         """A new server (on ``port``, e.g. a stopped one's, or a free one), with
         ``extra_args`` added to its command line; ``cluster=True`` makes it a
-        cluster-enabled node that serves no slot until given some."""
+        cluster-enabled node that serves no slot until given some; ``module``:
+        whether it loads the bucketlimit module."""
         server = RedisServer(
             self.directory / f"server-{len(self.servers)}",
             port=port,
             cluster=cluster,
             extra_args=extra_args,
             binary=self.binary,
+            module=module,
         )
         self.servers.append(server)
         return server.start()
@@ -346,6 +369,8 @@ def redis_url(redis_server: RedisServer) -> str:
     client = redis_server.client()
     client.flushall()
     client.script_flush()
+    if redis_server.module:
+        command(client, "CONFIG", "SET", MODULE_MIN_TTL, 1)  # as pin_min_ttl may have left it
     client.close()
     return redis_server.url
 
@@ -376,6 +401,26 @@ def valkey_server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
     factory = ServerFactory(tmp_path, binary="valkey-server")
     yield factory
     factory.stop_all()
+
+
+#: The module's smallest TTL of a bucket's key, in ms (bucket.lua's MIN_TTL_MS).
+MODULE_MIN_TTL = "bucketlimit.min-ttl-ms"
+
+
+def pin_min_ttl(client: Any) -> None:
+    """Raises the smallest TTL of a bucket's key to ten minutes on ``client``'s server
+    when it runs the module, as the parity tests' ``PinnedScript`` raises the
+    script's: a ManualClock standing still while real time runs must not see a key
+    expire (``redis_url`` sets it back for the next test). ``client`` may be an
+    asyncio one: a blocking client to the same server does it."""
+    kwargs = client.connection_pool.connection_kwargs
+    sync = redis.Redis(host=kwargs.get("host", "127.0.0.1"), port=kwargs.get("port", 6379))
+    try:
+        command(sync, "CONFIG", "SET", MODULE_MIN_TTL, 600_000)
+    except redis.ResponseError:
+        pass  # no module: the script's line is what counts
+    finally:
+        sync.close()
 
 
 def command(client: redis.Redis, *args: str | int | bytes) -> Any:

@@ -44,6 +44,7 @@ from bucketlimit._redis.flows import Part, check_wait
 from bucketlimit._redis.keys import Keys
 from bucketlimit._redis.limiter import check_client
 from bucketlimit._redis.limiter import state_of as bucket_state_of
+from bucketlimit._redis.module import Engine, EngineName, check_engine
 from bucketlimit._redis.permits import Held, PermitPart, PermitState
 from bucketlimit._redis.resilience import (
     LOCAL,
@@ -193,6 +194,7 @@ class PermitOptions(TypedDict, total=False):
     on_store_error: Policy
     processes: SupportsIndex | None
     retry_interval: float
+    engine: EngineName
 
 
 class RedisConcurrency(Generic[C]):
@@ -215,6 +217,7 @@ class RedisConcurrency(Generic[C]):
         on_store_error: Policy = LOCAL,
         processes: SupportsIndex | None = None,
         retry_interval: float = 1.0,
+        engine: EngineName = "auto",
     ) -> None:
         cluster = check_client(client, asyncio=self._asyncio, other=self._other)
         probe = _core_limiter(limit, ttl)
@@ -240,6 +243,7 @@ class RedisConcurrency(Generic[C]):
             retry_interval=check_retry_interval(retry_interval),
             name=f"{type(self).__name__}(prefix={prefix!r})",
             threaded=not self._asyncio,
+            engine=Engine(check_engine(engine)),
         )
         self._owned: LazyClient | None = None
 
@@ -269,6 +273,12 @@ class RedisConcurrency(Generic[C]):
     @property
     def limit(self) -> int:
         return self._state.limit
+
+    @property
+    def engine(self) -> EngineName:
+        """What runs the calls in the store: ``"auto"``, ``"module"`` or ``"lua"``
+        (docs/redis.md, "The module")."""
+        return self._state.engine.name
 
     @property
     def ttl(self) -> float:

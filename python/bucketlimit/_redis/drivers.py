@@ -28,13 +28,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
 from bucketlimit._core import Decision
-from bucketlimit._redis import flows
+from bucketlimit._redis import flows, module
 from bucketlimit._redis.clients import LIBRARIES
 from bucketlimit._redis.errors import (
     REDIRECTED,
     AskError,
     ClientConnectionError,
     ClusterError,
+    LibraryError,
     MaxConnectionsError,
     MovedError,
     SlotNotCoveredError,
@@ -196,21 +197,34 @@ def send(state: Store, command: Command) -> Any:
             node = node_of(client, command)
             if node is not None:
                 call = getattr(client.get_redis_connection(node), command.name)
+        twin = module.twin(state, command.argv) if state.engine.module else None
         waited = 0.0
         sent = time.perf_counter()
         try:
             while True:
                 try:
+                    if twin is not None:
+                        return module.parsed(call(*twin))
                     return call(*command.argv)
                 except MaxConnectionsError:
                     if waited >= POOL_WAIT:
                         raise
                     time.sleep(POOL_STEP)
                     waited += POOL_STEP
+                except LibraryError as error:
+                    without_module(state, twin, error)
+                    twin = None
         finally:
             state.round_trips.observe(time.perf_counter() - sent)
     finally:
         flying.discard(command)
+
+
+def without_module(state: Store, twin: tuple[Any, ...] | None, error: BaseException) -> None:
+    """A module command the server does not know (nothing ran): under ``engine="auto"``
+    the script goes instead (returns, the caller sends it); else ``error`` goes on."""
+    if twin is None or not module.unknown(error) or not state.engine.absent(state.name, error):
+        raise error
 
 
 async def send_async(state: Store, command: Command) -> Any:
@@ -234,26 +248,36 @@ async def send_async(state: Store, command: Command) -> Any:
                 node = node_of(client, command)
             if node is not None:
                 call = node.execute_command
+        twin = module.twin(state, command.argv) if state.engine.module else None
         sent = time.perf_counter()
         try:
-            return await _sent_async(call, command.argv)
-        except ClusterError as storm:
-            if (
-                command.name != "execute_command"
-                or not command.keys
-                or classify(storm) != REDIRECTED
-            ):
-                raise
-            return await follow_asks(client, command.argv, command.keys[0], storm)
-        except ClientConnectionError as refused:
-            node = unstarted_node(client, command, refused)
-            if node is None:
-                raise
-            return await node.execute_command(*command.argv)
+            if twin is not None:
+                try:
+                    return module.parsed(await _sent_on(client, command, call, twin))
+                except LibraryError as error:
+                    without_module(state, twin, error)
+            return await _sent_on(client, command, call, command.argv)
         finally:
             state.round_trips.observe(time.perf_counter() - sent)
     finally:
         flying.discard(command)
+
+
+async def _sent_on(client: Any, command: Command, call: Any, argv: tuple[Any, ...]) -> Any:
+    """``argv`` (the command's, or its module twin) awaited by ``call`` (the client's,
+    or its node's for a command sent there directly), following a cluster client's
+    redirection storm or unstarted node (see below)."""
+    try:
+        return await _sent_async(call, argv)
+    except ClusterError as storm:
+        if command.name != "execute_command" or not command.keys or classify(storm) != REDIRECTED:
+            raise
+        return await follow_asks(client, argv, command.keys[0], storm)
+    except ClientConnectionError as refused:
+        node = unstarted_node(client, command, refused)
+        if node is None:
+            raise
+        return await node.execute_command(*argv)
 
 
 async def _sent_async(call: Any, argv: tuple[Any, ...]) -> Any:

@@ -51,6 +51,8 @@ OutOfMemoryError: Final = errors("OutOfMemoryError")
 ReadOnlyError: Final = errors("ReadOnlyError")
 ClusterException: Final = errors("RedisClusterException", "ValkeyClusterException")
 ResponseError: Final = errors("ResponseError")
+#: Every error of the client libraries (their base classes).
+LibraryError: Final = errors("RedisError", "ValkeyError")
 SlotNotCoveredError: Final = errors("SlotNotCoveredError")
 TryAgainError: Final = errors("TryAgainError")
 ClientConnectionError: Final = errors("ConnectionError")

@@ -29,6 +29,7 @@ from bucketlimit._redis.errors import ExactRangeError
 from bucketlimit._redis.flows import Flow
 from bucketlimit._redis.keys import Keys
 from bucketlimit._redis.leases import NO_LEASE_STATS, LeasePolicy, LeaseState, check_lease
+from bucketlimit._redis.module import Engine, EngineName, check_engine
 from bucketlimit._redis.resilience import (
     LOCAL,
     Policy,
@@ -71,6 +72,7 @@ class BucketOptions(TypedDict, total=False):
     refusal_cache: bool
     batching: bool
     lease: bool | LeasePolicy
+    engine: EngineName
 
 
 def check_client(client: object, *, asyncio: bool, other: str) -> bool:
@@ -129,8 +131,10 @@ class RedisLimiter(Generic[C]):
         refusal_cache: bool = True,
         batching: bool | None = None,
         lease: bool | LeasePolicy = False,
+        engine: EngineName = "auto",
     ) -> None:
         cluster = check_client(client, asyncio=self._asyncio, other=self._other)
+        engine = check_engine(engine)
         capacity, p, unit = _core.exact_units(capacity, rate, per=per)
         if clock is not None and not callable(clock):
             raise TypeError(
@@ -140,12 +144,14 @@ class RedisLimiter(Generic[C]):
         if prefix is None:
             prefix = default_prefix(capacity, p, unit)
         keys = Keys(prefix, hash_tag)
-        if capacity * unit + p >= LUA_EXACT:
+        # The module computes in the core's integers; the script in Lua doubles.
+        if engine != "module" and capacity * unit + p >= LUA_EXACT:
             raise ExactRangeError(
                 f"capacity {capacity} with rate {rate!r} per {per!r} is beyond the exact range "
                 "of the Redis script: Lua numbers are doubles, exact only below 2**53, so "
                 "capacity * units per token + units per microsecond must be below 2**53; "
-                f"it is {capacity * unit + p}"
+                f"it is {capacity * unit + p} (engine='module' computes it exactly: "
+                "docs/redis.md, 'The module')"
             )
         if not isinstance(refusal_cache, bool):
             raise TypeError(f"refusal_cache must be a bool, got {type(refusal_cache).__name__}")
@@ -171,6 +177,7 @@ class RedisLimiter(Generic[C]):
             refusal_cache=refusal_cache,
             name=f"{type(self).__name__}(prefix={prefix!r})",
             leasing=policy is not None,
+            engine=Engine(engine),
         )
         self._batching = batching
         self._shared = self._shared_round_trips(self._state) if batching else None
@@ -275,6 +282,13 @@ class RedisLimiter(Generic[C]):
         """The lease policy (``lease=True``: the default one), or ``None`` without
         leasing (docs/redis.md, "Hot keys: leases")."""
         return None if self._leases is None else self._leases.policy
+
+    @property
+    def engine(self) -> EngineName:
+        """What runs the calls in the store: ``"auto"`` (the bucketlimit module when
+        the server has it loaded, else the Lua scripts), ``"module"`` or ``"lua"``
+        (docs/redis.md, "The module")."""
+        return self._state.engine.name
 
     @property
     def refusal_cache(self) -> bool:

@@ -63,6 +63,7 @@ from bucketlimit._redis.flows import (
     unanswered,
 )
 from bucketlimit._redis.keys import Keys, check_one_slot
+from bucketlimit._redis.module import Engine
 from bucketlimit._redis.resilience import (
     CLOSED,
     LOCAL,
@@ -313,8 +314,10 @@ class PermitState(StoreState):
         retry_interval: float,
         name: str,
         threaded: bool,
+        engine: Engine,
     ) -> None:
         self.source = client
+        self.engine = engine
         #: The client is a blocking one: waiters' wake-ups are heard by a thread.
         self.threaded = threaded
         self.client: Any = None if isinstance(client, LazyClient) else client

@@ -22,6 +22,7 @@ from bucketlimit._core import Decision
 from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram
 from bucketlimit._redis.clients import LazyClient
 from bucketlimit._redis.keys import Keys, key_slot
+from bucketlimit._redis.module import Engine
 from bucketlimit._redis.resilience import (
     CLOSED,
     LOCAL,
@@ -33,6 +34,7 @@ from bucketlimit._redis.resilience import (
     fork_safe,
 )
 from bucketlimit._redis.script import (
+    MAX_DEBT_CAPACITIES,
     SERVER_TIME,
     Script,
     general_script,
@@ -206,6 +208,8 @@ class Store(Protocol):
     @property
     def flying(self) -> set[object]: ...
     @property
+    def engine(self) -> Engine: ...
+    @property
     def closed(self) -> bool: ...
 
     def closing(self) -> str: ...
@@ -234,6 +238,8 @@ class StoreState:
 
     source: Any  # the client or a LazyClient
     client: Any
+    #: The module's commands or the scripts (``bucketlimit._redis.module``).
+    engine: Engine
     cluster: bool
     clock: Callable[[], float] | None
     breakers: Breakers
@@ -366,9 +372,11 @@ class LimiterState(StoreState):
         retry_interval: float,
         refusal_cache: bool,
         name: str,
+        engine: Engine,
         leasing: bool = False,
     ) -> None:
         self.source = client  # the client or a LazyClient
+        self.engine = engine
         self.client: Any = None if isinstance(client, LazyClient) else client
         self.cluster = cluster
         self.capacity = capacity
@@ -376,8 +384,11 @@ class LimiterState(StoreState):
         self.unit = unit
         self.per = per
         self.full = capacity * unit
-        #: Capacities a bucket may owe here (the scripts' D, docs/design.md §4).
-        self.debt_capacities = max_debt_capacities(self.full, p)
+        #: Capacities a bucket may owe here: the core's bound with the module alone,
+        #: else the scripts' D (docs/design.md §4), which the module may serve too.
+        self.debt_capacities = (
+            MAX_DEBT_CAPACITIES if engine.name == "module" else max_debt_capacities(self.full, p)
+        )
         self.clock = clock
         self.keys = keys
         #: The scripts assembled from ``script`` (scripts.lua): the general one, and
