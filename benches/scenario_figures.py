@@ -29,6 +29,7 @@ if not __package__:  # run as a script, the repository root is not on sys.path
 import redis
 
 from bucketlimit import __version__
+from tests.redis import test_redis_lease_processes as lease_processes
 from tests.redis import test_redis_permit_processes as permit_processes
 from tests.support.redis_servers import RedisServer
 
@@ -67,8 +68,62 @@ def permits(server: RedisServer, quick: bool) -> list[Row]:
     ]
 
 
+def leases(server: RedisServer, quick: bool) -> list[Row]:
+    """tests/redis/test_redis_lease_processes.py: 8 processes hammering one leased key
+    (capacity 10,000, 100,000 a second, from an empty bucket), and one hot process
+    among seven asking 10 calls a second. Commands per admitted call, leased and not,
+    at full speed: benches/leases.py."""
+    client = server.client()
+    rate = lease_processes.RATE
+    with tempfile.TemporaryDirectory(prefix="bench-leases-") as directory:
+        client.flushall()
+        run = lease_processes.eight_processes_on_one_key(
+            client, server.url, Path(directory), 2.0 if quick else 10.0
+        )
+        worst = lease_processes.assert_never_over_the_cap(run.calls, lease_processes.CAPACITY, rate)
+        client.flushall()
+        mixed = lease_processes.one_hot_among_seven_idle(
+            client, server.url, Path(directory), 1.5 if quick else 3.0
+        )
+        hot_span = lease_processes.Calls.read([mixed.hot]).span
+    client.close()
+    span = run.calls.span
+    sums = run.sums
+    idle = ", ".join(f"{r.admitted}/{r.admitted + r.refused}" for r in mixed.idle)
+    return [
+        (
+            f"8 processes, {span:.1f} s: admitted, of the bound rate x T",
+            f"{run.admitted / (rate * span):.1%}",
+            ">= 95 %",
+        ),
+        ("the fullest 1 s window, of its bound", f"{worst:.1%}", "<= 100 % (still asserted)"),
+        (
+            "refill the bucket could not hold during the run, of rate x T",
+            f"{(run.gap - run.outside) / (rate * span):.2%}",
+            "<= 1 %",
+        ),
+        (
+            "lease tokens expired unused, of those leased",
+            f"{sums['lease_tokens_expired'] / sums['lease_tokens']:.2%}",
+            "<= 5 %",
+        ),
+        (
+            "admitted calls answered from a lease",
+            f"{sums['lease_hits'] / run.admitted:.2%}",
+            ">= 95 % (still asserted)",
+        ),
+        (
+            f"one hot process among 7 idle, {hot_span:.1f} s: admitted, of rate x T",
+            f"{mixed.hot.admitted / (rate * hot_span):.1%}",
+            ">= 90 %",
+        ),
+        ("the idle ones: admitted/asked", idle, ">= 2/3 each (still asserted)"),
+    ]
+
+
 SCENARIOS: dict[str, Callable[[RedisServer, bool], list[Row]]] = {
     "permits": permits,
+    "leases": leases,
 }
 
 
