@@ -104,8 +104,8 @@ class Tally:
 # -- issue 10 item 1: a whole cluster unreachable is an outage, not a mistake --------
 
 CAPACITY = 100_000  # rate 0: every admission stays charged in Redis, to be counted
-OUTAGE = 1.2  # seconds: longer than retry_interval, so that probes fail too
-RETRY = 0.4
+OUTAGE = 0.6  # seconds: longer than retry_interval, so that probes fail too
+RETRY = 0.2
 
 
 def run_sync(limiter: RedisTokenBucketLimiter, key: str, seconds: float, tally: Tally) -> None:
@@ -166,21 +166,40 @@ def test_a_whole_cluster_down_or_hung_goes_to_the_policy(
         run_sync(limiter, key, 0.2, after)
         stats = limiter.stats()
 
-    assert before.errors == during.errors == after.errors == []
-    assert before.degraded == after.degraded == 0
-    assert during.degraded == during.calls > 0
-    assert during.store_admitted == 0
-    # The breaker opened and skipped the store: a few commands per interval, not one
-    # per call (a breaker per node, and the shared one, each probe once per interval).
-    assert stats["breaker_openings"] >= 1
-    assert stats["store_errors"] <= 4 * (OUTAGE / RETRY + 2)
+    assert_outage_answers(before, during, after, stats)
     if fault == "pause":
         # Nothing was lost: Redis charged every store-backed admission, plus the
         # commands that timed out and ran when the nodes woke up (docs/redis.md,
         # "What a degraded answer may have charged").
-        spent = charged(cluster, key, CAPACITY)
-        store_backed = before.store_admitted + after.store_admitted
-        assert store_backed <= spent <= store_backed + stats["store_errors"] + 1
+        assert_charged_once(charged(cluster, key, CAPACITY), before, after, stats)
+
+
+def assert_outage_answers(
+    before: Tally, during: Tally, after: Tally, stats: RedisLimiterStats
+) -> None:
+    """Answers from the store before and after, by the policy during the outage, with
+    the breaker skipping the store."""
+    assert before.errors == during.errors == after.errors == [], "a call raised"
+    assert before.degraded == after.degraded == 0, "degraded while the cluster was up"
+    assert during.degraded == during.calls > 0, (
+        f"{during.calls} calls during the outage, {during.degraded} degraded"
+    )
+    assert during.store_admitted == 0, "admitted by the store while it was down"
+    # The breaker opened and skipped the store: a few commands per interval, not one
+    # per call (a breaker per node, and the shared one, each probe once per interval).
+    assert stats["breaker_openings"] >= 1, "the breaker never opened"
+    errors, bound = stats["store_errors"], 4 * (OUTAGE / RETRY + 2)
+    assert errors <= bound, f"{errors} store errors in a {OUTAGE} s outage, over {bound}"
+
+
+def assert_charged_once(spent: int, before: Tally, after: Tally, stats: RedisLimiterStats) -> None:
+    """Redis charged every store-backed admission, and at most the commands that timed
+    out (and ran when the nodes woke up) besides."""
+    store_backed = before.store_admitted + after.store_admitted
+    most = store_backed + stats["store_errors"] + 1
+    assert store_backed <= spent <= most, (
+        f"Redis charged {spent}: {store_backed} admitted by it, at most {most} with timeouts"
+    )
 
 
 def assert_raise_policy(url: str, key: str) -> None:
@@ -257,15 +276,9 @@ def test_an_async_limiter_with_a_whole_cluster_down_or_hung(
             await limiter.client.aclose()
 
     stats = asyncio.run(main())
-    assert before.errors == during.errors == after.errors == []
-    assert before.degraded == after.degraded == 0
-    assert during.degraded == during.calls > 0
-    assert stats["breaker_openings"] >= 1
-    assert stats["store_errors"] <= 4 * (OUTAGE / RETRY + 2)
+    assert_outage_answers(before, during, after, stats)
     if fault == "pause":
-        spent = charged(cluster, key, CAPACITY)
-        store_backed = before.store_admitted + after.store_admitted
-        assert store_backed <= spent <= store_backed + stats["store_errors"] + 1
+        assert_charged_once(charged(cluster, key, CAPACITY), before, after, stats)
 
 
 # -- issue 10 item 4: from_url(cluster=True) sends nothing at construction -------------
@@ -281,7 +294,7 @@ def test_from_url_cluster_connects_on_first_use() -> None:
     answer = limiter.allow("k")
     assert answer.allowed
     assert answer.degraded
-    assert limiter.stats()["breaker_openings"] == 1
+    assert limiter.stats()["breaker_openings"] == 1, "not one outage"
     # Reading `client` builds it now, and says why it cannot.
     with pytest.raises(redis.exceptions.RedisClusterException, match="cannot be connected"):
         _ = limiter.client
@@ -295,7 +308,7 @@ def test_from_url_builds_its_client_once(redis_url: str) -> None:
     assert limiter.allow("k")
     client = limiter.client
     assert limiter.client is client
-    assert limiter.allow("k").remaining == 3
+    assert limiter.allow("k").remaining == 3, "not the second call on one bucket"
     assert isinstance(client, redis.Redis)
     assert isinstance(client.connection_pool, redis.BlockingConnectionPool)
     client.close()
@@ -327,7 +340,7 @@ def test_one_nodes_outage_degrades_only_its_keys(redis_server_factory: ServerFac
         assert [a.degraded for a in answers] == [False, False, True] * 5
         assert all(a.allowed for a in answers)
         stats = limiter.stats()
-        assert stats["breaker_openings"] == 1
+        assert stats["breaker_openings"] == 1, "not one outage, of one node"
         assert stats["store_errors"] == 1, "the dead node's breaker skipped it"
         # Other keys of the healthy nodes are unaffected as well.
         assert not limiter.allow(key_on_node(0, skip=3)).degraded
@@ -358,8 +371,8 @@ def test_one_nodes_outage_degrades_only_its_keys_async(
             await limiter.client.aclose()
 
     degraded, stats = asyncio.run(main())
-    assert degraded == [True, False, False] * 5
-    assert stats["breaker_openings"] == 1
+    assert degraded == [True, False, False] * 5, "degraded answers for another node's keys"
+    assert stats["breaker_openings"] == 1, "not one outage, of one node"
 
 
 # -- issue 10 item 2: a full connection pool is not an outage ----------------------------
@@ -392,7 +405,7 @@ def test_a_burst_larger_than_the_pool_waits_for_a_connection(redis_url: str) -> 
     answers, stats = asyncio.run(main())
     assert [a.degraded for a in answers] == [False] * BURST
     assert all(a.allowed for a in answers)
-    assert stats["breaker_openings"] == stats["store_errors"] == 0
+    assert stats["breaker_openings"] == stats["store_errors"] == 0, f"an outage: {stats}"
     client = redis.Redis.from_url(redis_url)
     value = client.get("bucketlimit:{k}:k")
     client.close()
@@ -425,11 +438,11 @@ def test_an_exhausted_pool_of_your_own_answers_from_the_policy_without_an_outage
 
     answers, later, stats = asyncio.run(main())
     degraded = [a for a in answers if a.degraded]
-    assert 0 < len(degraded) < 40
+    assert 0 < len(degraded) < 40, f"{len(degraded)} of 40 found the pool of 5 full"
     assert all(not a.allowed for a in degraded), 'under "closed" a degraded answer refuses'
     assert not later.degraded, "the next call asks the store"
-    assert stats["breaker_openings"] == stats["store_errors"] == 0
-    assert stats["fallback_decisions"] == len(degraded)
+    assert stats["breaker_openings"] == stats["store_errors"] == 0, f"an outage: {stats}"
+    assert stats["fallback_decisions"] == len(degraded), f"{len(degraded)} degraded: {stats}"
     # No outage, so no breaker's lines; but the first answer without the store says
     # why, once (issue 19 A2: a degraded answer is never silent).
     [record] = [r for r in caplog.records if r.name == "bucketlimit"]
@@ -456,7 +469,7 @@ def test_an_exhausted_blocking_pool_of_your_own_is_not_an_outage(redis_url: str)
     assert answer.degraded
     assert not limiter.allow("k").degraded
     stats = limiter.stats()
-    assert stats["breaker_openings"] == stats["store_errors"] == 0
+    assert stats["breaker_openings"] == stats["store_errors"] == 0, f"an outage: {stats}"
     client.close()
 
 
@@ -493,11 +506,11 @@ def test_a_demoted_primary_is_one_outage_not_a_flapping_breaker(
         # Each allow of "fresh" needs a write: READONLY, answered by the policy; each
         # refusal of "spent" is the replica's answer, and closes nothing.
         assert [a.degraded for a in answers] == [True, False] * 5
-        assert limiter.stats()["breaker_openings"] == 1
+        assert limiter.stats()["breaker_openings"] == 1, "not one outage"
         admin.replicaof("NO", "ONE")  # promoted: writes succeed again
         assert not limiter.allow("fresh-2").degraded
         assert not limiter.allow("fresh").degraded
-        assert limiter.stats()["breaker_openings"] == 1
+        assert limiter.stats()["breaker_openings"] == 1, "the breaker flapped"
     admin.close()
     ours = [r for r in caplog.records if r.name == "bucketlimit"]
     assert [r.levelno for r in ours] == [logging.WARNING, logging.INFO]
@@ -592,12 +605,13 @@ def test_an_async_answer_without_io_still_lets_the_loop_run(redis_url: str, path
         finally:
             await limiter.client.aclose()
 
-    assert asyncio.run(main()) >= calls // 2
+    ticks = asyncio.run(main())
+    assert ticks >= calls // 2, f"another task ran {ticks} times during {calls} answers"
 
 
 # -- issue 10 item 3: the asyncio cluster client during a slot migration ------------------
 
-MIGRATION = 2.5  # seconds of back-and-forth migrations of one slot under load
+MIGRATIONS = 4  # back and forth, of one slot under load
 
 
 @pytest.mark.timeout(90)
@@ -620,8 +634,7 @@ def test_an_async_cluster_limiter_through_slot_migrations(
 
     def migrate(loop: asyncio.AbstractEventLoop) -> None:
         try:
-            deadline = time.monotonic() + MIGRATION
-            while time.monotonic() < deadline:
+            for _ in range(MIGRATIONS):
                 source = cluster.owner(slot)
                 target = next(s for s in cluster.servers if s is not source)
                 cluster.move_slot(slot, target, batch=1)  # ASK for each moved key meanwhile
@@ -672,9 +685,11 @@ def test_an_async_cluster_limiter_through_slot_migrations(
         f"\n{migrations[0]} migrations: {tally.answers} calls, {tally.degraded} degraded, "
         f"{len(tally.errors)} exceptions, {tally.store_admitted} admitted, {spent} charged"
     )
-    assert migrations[0] >= 2
-    assert tally.errors == []
-    assert tally.store_admitted > 0
+    assert migrations[0] == MIGRATIONS, f"{migrations[0]} migrations of {MIGRATIONS}"
+    assert tally.errors == [], "a call raised"
+    assert tally.store_admitted > 0, "nothing admitted by the store"
     assert stats["breaker_openings"] == 0, "a migration is not an outage"
-    assert tally.degraded == stats["fallback_decisions"]
-    assert spent == tally.store_admitted, "every admission charged once, nothing else"
+    assert tally.degraded == stats["fallback_decisions"], f"{tally.degraded} degraded: {stats}"
+    assert spent == tally.store_admitted, (
+        f"{spent} charged, {tally.store_admitted} admitted: every admission charged once"
+    )
