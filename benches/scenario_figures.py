@@ -29,6 +29,7 @@ if not __package__:  # run as a script, the repository root is not on sys.path
 import redis
 
 from bucketlimit import __version__
+from tests.redis import test_redis_faults as faults
 from tests.redis import test_redis_lease_processes as lease_processes
 from tests.redis import test_redis_permit_processes as permit_processes
 from tests.support.redis_servers import RedisServer
@@ -121,9 +122,36 @@ def leases(server: RedisServer, quick: bool) -> list[Row]:
     ]
 
 
+def hung_server(server: RedisServer, quick: bool) -> list[Row]:
+    """tests/redis/test_redis_faults.py: a server of its own hung (SIGSTOP) under 8
+    calling threads, the client's timeout 50 ms, the breaker's retry_interval 1 s."""
+    stop, retry = (1.0, 0.25) if quick else (3.0, 1.0)
+    with tempfile.TemporaryDirectory(prefix="bench-hung-") as directory:
+        hung = RedisServer(Path(directory)).start()
+        try:
+            hang = faults.hang_the_server(hung, stop, retry)
+        finally:
+            hung.stop()
+    during = hang.calls.within(hang.paused, hang.resumed)
+    slowest = max(end - start for start, end, _, _ in during)
+    return [
+        (
+            f"the slowest of {len(during):,} calls made while it hung {stop:g} s",
+            f"{slowest * 1000:.0f} ms",
+            f"< {stop / 2:g} s",
+        ),
+        (
+            "from SIGCONT to the first answer from the store",
+            f"{hang.recovered - hang.resumed:.2f} s",
+            f"<= retry_interval + 1 s = {retry + 1:g} s",
+        ),
+    ]
+
+
 SCENARIOS: dict[str, Callable[[RedisServer, bool], list[Row]]] = {
     "permits": permits,
     "leases": leases,
+    "hung": hung_server,
 }
 
 
