@@ -26,7 +26,7 @@ from bucketlimit.redis import (
     StoreUnavailableError,
 )
 from bucketlimit.testing import ManualClock
-from tests.support.redis_servers import ServerFactory
+from tests.support.redis_servers import RedisServer, ServerFactory
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.threads import wait_until
 
@@ -191,29 +191,35 @@ def test_the_asyncio_limiter_under_a_stopped_server(redis_server_factory: Server
 
 # -- the breaker ---------------------------------------------------------------------------
 
-RETRY = 3.0  # long enough that a restart happens within it on a loaded machine
+
+def open_the_breaker(
+    factory: ServerFactory, policy: Policy, retry: float
+) -> tuple[RedisConcurrencyLimiter, RedisServer, object, float]:
+    """A limiter of limit 1 whose store failed once (stopped), which opened its breaker
+    (``retry``: its retry_interval), then restarted empty on the same port: the
+    limiter, the server, the failed call's outcome and when it was made."""
+    server = factory.start()
+    limiter = RedisConcurrencyLimiter.from_url(
+        server.url, 1, ttl=10, on_store_error=policy, retry_interval=retry
+    )
+    assert limiter.try_acquire("warm"), "the store did not answer at first"
+    server.stop()
+    opened = time.monotonic()
+    first = outcome(lambda: limiter.try_acquire("k"))  # fails: the breaker opens
+    server.restart()  # empty, on the same port
+    return limiter, server, first, opened
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["closed", "raise"])
-def test_the_breaker_skips_the_store_then_a_probe_closes_it(
+def test_the_breaker_skips_the_store_until_its_retry_interval(
     redis_server_factory: ServerFactory, policy: Policy
 ) -> None:
     """After the failure that opens it, every call answers by the policy with no
     command sent (INFO commandstats of the restarted server, the limiter's
-    store_calls); once the retry interval has passed, one call probes the store,
-    which answers, and permits come from the store again."""
-    server = redis_server_factory.start()
-    limiter = RedisConcurrencyLimiter.from_url(
-        server.url, 1, ttl=10, on_store_error=policy, retry_interval=RETRY
-    )
-    with limiter:
-        assert limiter.try_acquire("warm")
-        server.stop()
-        opened = time.monotonic()
-        first = outcome(lambda: limiter.try_acquire("k"))  # fails: the breaker opens
-        server.restart()  # empty, on the same port
-        admin = server.client()
+    store_calls); the retry interval (60 s) outlasts the test."""
+    retry = 60.0
+    limiter, server, first, _ = open_the_breaker(redis_server_factory, policy, retry)
+    with limiter, server.client() as admin:
         asked = limiter.stats()["store_calls"]
         calls: list[Callable[[], Any]] = [
             lambda: limiter.try_acquire("k"),
@@ -221,22 +227,33 @@ def test_the_breaker_skips_the_store_then_a_probe_closes_it(
             lambda: limiter.in_flight("k"),
         ]
         skipped = [outcome(call) for call in calls]
-        assert time.monotonic() - opened < RETRY, "the machine was too slow for this test"
-        assert (script_calls(admin), limiter.stats()["store_calls"]) == (0, asked)
-        refusal = degraded(False, RETRY, 0, RETRY, 1)
+        sent = (script_calls(admin), limiter.stats()["store_calls"] - asked)
+        assert sent == (0, 0), f"(scripts run, store calls) while the breaker was open: {sent}"
+        refusal = degraded(False, retry, 0, retry, 1)
         if policy == "raise":
             assert [first, *skipped] == ["ConnectionError"] + ["StoreUnavailableError"] * 3
         else:
             assert [first, *skipped] == [refusal, refusal, refusal, 0]
-        assert limiter.stats()["breaker_open"] == 1
+        assert limiter.stats()["breaker_open"] == 1, "the breaker is not open"
+
+
+@pytest.mark.parametrize("policy", ["closed", "raise"])
+def test_a_probe_after_the_retry_interval_closes_the_breaker(
+    redis_server_factory: ServerFactory, policy: Policy
+) -> None:
+    """Once the retry interval (0.3 s) has passed, one call probes the store, which
+    answers, and permits come from the store again."""
+    retry = 0.3
+    limiter, server, _, opened = open_the_breaker(redis_server_factory, policy, retry)
+    with limiter, server.client() as admin:
         stored = Decision(True, 0.0, 0, 10.0, 1)
         wait_until(lambda: outcome(lambda: limiter.try_acquire("k")) == stored, "the probe", 30)
-        assert time.monotonic() - opened >= RETRY, "no probe before the retry interval"
+        waited = time.monotonic() - opened
+        assert waited >= retry, f"a probe {waited:.3f} s after the failure, before {retry} s"
         stats = limiter.stats()
-        assert (stats["breaker_open"], stats["breaker_openings"]) == (0, 1)
-        assert script_calls(admin) >= 1
+        assert (stats["breaker_open"], stats["breaker_openings"]) == (0, 1), f"not closed: {stats}"
+        assert script_calls(admin) >= 1, "the probe ran no script"
         assert (limiter.in_flight("k"), bool(limiter.try_acquire("k"))) == (1, False)
-        admin.close()
 
 
 # -- replies lost after the script ran ----------------------------------------------------------
