@@ -29,6 +29,7 @@ skipping them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -305,6 +306,11 @@ class SpareNodes:
         self._started += 1
         return server.start()
 
+    def warm(self) -> None:
+        """Starts three now (when none are), so that the first cluster needs no wait."""
+        if not self._ready and server_binary(self.binary) is not None:
+            self._ready = [self._start() for _ in range(3)]
+
     def take(self) -> list[RedisServer]:
         nodes = self._ready or [self._start() for _ in range(3)]
         self._ready = [self._start() for _ in range(3)]
@@ -376,8 +382,15 @@ def _start(server: RedisServer) -> RedisServer:
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """One standalone redis-server for the whole session."""
+def redis_server(
+    tmp_path_factory: pytest.TempPathFactory, _spare_nodes: dict[str, SpareNodes]
+) -> Iterator[RedisServer]:
+    """One standalone redis-server for the whole session (and cluster nodes started
+    ahead, so that the first cluster a test builds finds them past their writable
+    delay)."""
+    for spares in _spare_nodes.values():
+        with contextlib.suppress(ServerStartError):  # the first cluster will say why
+            spares.warm()
     server = RedisServer(tmp_path_factory.mktemp("redis-standalone"))
     _start(server)
     yield server
@@ -413,7 +426,8 @@ def redis_client(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Re
 
 @pytest.fixture(scope="session")
 def _spare_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SpareNodes]]:
-    """Cluster nodes started ahead, by binary (none until a test builds a cluster)."""
+    """Cluster nodes started ahead, by binary (started by :func:`redis_server`, or by
+    the first cluster)."""
     spares = {
         binary: SpareNodes(tmp_path_factory.mktemp(f"{binary}-spares"), binary)
         for binary in SERVER_BINARIES
@@ -594,9 +608,18 @@ def _cluster_ok(info: object) -> bool:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+def redis_cluster(
+    tmp_path_factory: pytest.TempPathFactory, _spare_nodes: dict[str, SpareNodes]
+) -> Iterator[RedisClusterNodes]:
     """A 3-node Redis Cluster for the whole session."""
-    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"))
+    if server_binary("redis-server") is None:
+        redis_unavailable("redis-server is not installed")
+    try:
+        nodes = _spare_nodes["redis-server"].take()
+    except ServerStartError as e:
+        redis_unavailable(f"redis-server would not start: {e}")
+        raise  # unreachable: redis_unavailable always raises
+    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"), nodes)
     cluster.start()
     yield cluster
     cluster.stop()
