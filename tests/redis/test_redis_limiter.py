@@ -535,10 +535,10 @@ def test_a_timed_out_command_is_not_sent_again(
     server = redis_server_factory.start()
     if retries == 0:
         limiter = RedisTokenBucketLimiter.from_url(
-            server.url, 10, 0, timeout=0.5, on_store_error="raise", prefix="bucketlimit:"
+            server.url, 10, 0, timeout=0.25, on_store_error="raise", prefix="bucketlimit:"
         )
     else:
-        client = redis.Redis(port=server.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 2))
+        client = redis.Redis(port=server.port, socket_timeout=0.25, retry=Retry(NoBackoff(), 2))
         limiter = RedisTokenBucketLimiter(
             client, 10, 0, on_store_error="raise", prefix="bucketlimit:"
         )

@@ -229,20 +229,22 @@ def test_parity_at_the_edges_of_the_exact_range(redis_client: redis.Redis, confi
         local.refund("k", 1)
 
 
-@pytest.mark.timeout(60)  # 3.6 s idle: over a tenth of the default timeout
 def test_tenth_of_a_second_steps_refill_exactly_one_token(redis_client: redis.Redis) -> None:
-    """Rate 10, capacity 1, 0.1 s steps: one token per step, forever, no drift.
-    The unmodified script: the manual clock outruns real time here."""
+    """Rate 10, capacity 1, 0.1 s steps: one token per step, forever, no drift: 1,000
+    steps from 0, then 1,000 from a million seconds on (where a float clock would have
+    drifted by then). The unmodified script: the manual clock outruns real time here."""
     clock = ManualClock()
     remote = RedisTokenBucketLimiter(redis_client, 1, 10, clock, prefix="bucketlimit:")
     local = TokenBucketLimiter(1, 10, clock)
-    for step in range(10_000):
-        clock.advance(0.1)
-        first = remote.allow("k")
-        assert first == local.allow("k")
-        assert first.allowed, step
-        second = remote.allow("k")
-        assert second == local.allow("k")
-        assert not second.allowed, step
-        assert second.retry_after == 0.1
-    assert redis_client.get("bucketlimit:{k}:k") == b"0 1000000000"
+    for start in (0, 1_000_000):
+        clock.set(start)
+        for step in range(1_000):
+            clock.advance(0.1)
+            first = remote.allow("k")
+            assert first == local.allow("k"), f"step {step} from {start} s"
+            assert first.allowed, f"step {step} from {start} s: no token refilled"
+            second = remote.allow("k")
+            assert second == local.allow("k"), f"step {step} from {start} s"
+            assert not second.allowed, f"step {step} from {start} s: two tokens in 0.1 s"
+            assert second.retry_after == 0.1, f"step {step} from {start} s: {second}"
+    assert redis_client.get("bucketlimit:{k}:k") == b"0 1000100000000", "not the last step's"

@@ -39,7 +39,7 @@ def script_calls(client: redis.Redis) -> int:
 PROCESSES, TASKS, LIMIT = 8, 16, 10
 #: Enough for 128 tasks to contend for 10 slots many times over; the rate they reach
 #: is benches/scenario_figures.py's (at 100,000 acquisitions), never asserted here.
-ACQUISITIONS = 4_000
+ACQUISITIONS = 3_200
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def test_processes_are_granted_in_the_order_their_requests_reached_the_server(
 
 # -- waiting costs the store (almost) nothing ------------------------------------------------
 
-WAITING_PROCESSES, WAITING_TASKS, WAIT = 4, 4, 1.5
+WAITING_PROCESSES, WAITING_TASKS, WAIT = 4, 4, 1.0
 #: Without the store's wake-ups a waiter asks every 0.75 s (docs/redis.md, "Concurrency").
 POLL = 0.75
 
