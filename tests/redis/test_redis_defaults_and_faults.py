@@ -245,8 +245,9 @@ def test_many_threads_making_the_first_calls_build_one_client(redis_url: str) ->
     # Before: each thread built a client on the one shared pool and the losers'
     # close() cut the winners' connections: ValueError (I/O on a closed file),
     # degraded answers, 10-12 of 40 fresh limiters' breakers open with 32 threads.
+    # 20 limiters: 5 or 6 of them were broken before (10-12 of 40).
     limiters = [
-        RedisTokenBucketLimiter.from_url(redis_url, 10, 1, prefix=fresh()) for _ in range(40)
+        RedisTokenBucketLimiter.from_url(redis_url, 10, 1, prefix=fresh()) for _ in range(20)
     ]
     start = threading.Barrier(32)
     errors: list[BaseException] = []
@@ -266,11 +267,11 @@ def test_many_threads_making_the_first_calls_build_one_client(redis_url: str) ->
     for thread in threads:
         thread.join(30)
     try:
-        assert errors == []
-        assert len(degraded) == 32 * 40
-        assert not any(degraded)
-        assert [limiter.stats()["breaker_openings"] for limiter in limiters] == [0] * 40
-        assert len({id(limiter.client) for limiter in limiters}) == 40  # one each, kept
+        assert errors == [], "a first call raised"
+        assert len(degraded) == 32 * 20, f"{len(degraded)} answers of {32 * 20}"
+        assert not any(degraded), f"{sum(degraded)} degraded answers"
+        assert [limiter.stats()["breaker_openings"] for limiter in limiters] == [0] * 20
+        assert len({id(limiter.client) for limiter in limiters}) == 20  # one each, kept
     finally:
         for limiter in limiters:
             limiter.close()
