@@ -30,6 +30,7 @@ from bucketlimit.testing import ManualClock
 from bucketlimit.web import reserve
 from tests.redis.test_redis_batching import PACKAGE
 from tests.support.redis_servers import RedisServer, ServerFactory, command, free_port
+from tests.support.threads import wait_until
 
 pytestmark = pytest.mark.redis
 
@@ -428,7 +429,8 @@ def test_a_hung_node_holds_no_other_nodes_calls_group_commit(
         hung.pause()
         stuck = threading.Thread(target=limiter.allow, args=(by_node[hung.port][1],))
         stuck.start()
-        time.sleep(0.05)
+        # Its round trip is on its way: the thread waits for the hung node's reply.
+        wait_until(lambda: reading_a_reply(stuck), "the hung node's call to be sent", 30)
         healthy = [k for s in cluster.servers[1:] for k in by_node[s.port]]
         answers: list[Any] = []
         threads = [
@@ -605,6 +607,16 @@ class HoldingClient(redis.Redis):
             while not self.release[held].wait(0.01) and time.monotonic() < deadline:
                 pass
         return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+
+
+def reading_a_reply(thread: threading.Thread) -> bool:
+    """Whether ``thread`` waits for a reply in redis-py (its connection's read)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "read_response":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def waiting_in_the_package(thread: threading.Thread) -> bool:
