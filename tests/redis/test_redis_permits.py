@@ -486,7 +486,10 @@ def test_a_sync_limiter_waits_in_async_code(redis_client: redis.Redis) -> None:
         while limiter.stats()["waiting"] == 0:
             await asyncio.sleep(0.01)
         cancelled = asyncio.create_task(limiter.acquire_async("k"))
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while limiter.stats()["waiting"] < 2:  # cancelled while it waits, not before
+            assert time.monotonic() < deadline, "the second never waited"
+            await asyncio.sleep(0.01)
         cancelled.cancel()
         with pytest.raises(asyncio.CancelledError):
             await cancelled
