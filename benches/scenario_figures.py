@@ -47,7 +47,7 @@ def permits(server: RedisServer, quick: bool) -> list[Row]:
     of limit 10, and a holder of 5 permits killed."""
     client = server.client()
     client.flushall()
-    acquisitions = 4_000 if quick else 100_000
+    acquisitions = permit_processes.ACQUISITIONS if quick else 100_000
     run = permit_processes.hammer_one_key(server.url, 8, acquisitions)
     assert run.done == acquisitions, "the scenario itself failed"
     assert run.above == 0, "the scenario itself failed"
