@@ -201,6 +201,14 @@ class Hang:
     logs: list[logging.LogRecord]
 
 
+def through(proxy: TcpProxy, retry: float, prefix: str = "bucketlimit:") -> RedisTokenBucketLimiter:
+    """A limiter of a million tokens (100,000 a second) on the proxy, its client
+    waiting TIMEOUT for a reply, its breaker's retry_interval ``retry``."""
+    return RedisTokenBucketLimiter.from_url(
+        url_of(proxy.port), 10**6, 10**5, timeout=TIMEOUT, retry_interval=retry, prefix=prefix
+    )
+
+
 class Recorder(logging.Handler):
     """Keeps the records it is given (INFO and above)."""
 
@@ -223,14 +231,7 @@ def hang_the_server(server: RedisServer, stop: float, retry: float) -> Hang:
     logger.setLevel(logging.INFO)
     try:
         with TcpProxy(server.port) as proxy:
-            limiter = RedisTokenBucketLimiter.from_url(
-                url_of(proxy.port),
-                10**6,
-                10**5,
-                timeout=TIMEOUT,
-                retry_interval=retry,
-                prefix="bucketlimit:",
-            )
+            limiter = through(proxy, retry)
             with closing(limiter), Workers(limiter, THREADS) as workers:
                 wait_for(lambda: workers.store_backed_streak() >= 50 * THREADS, "a healthy store")
                 before = limiter.stats()
@@ -570,17 +571,8 @@ def test_a_slow_store_is_not_amplified_by_retries(redis_server_factory: ServerFa
     bound = SLOW_THREADS + 1 + SLOW_FOR / SLOW_RETRY
     server = redis_server_factory.start()
     with TcpProxy(server.port) as proxy:
-        protected = RedisTokenBucketLimiter.from_url(
-            url_of(proxy.port),
-            10**6,
-            10**5,
-            timeout=TIMEOUT,
-            retry_interval=SLOW_RETRY,
-            prefix="bucketlimit:",
-        )
-        unprotected = RedisTokenBucketLimiter.from_url(
-            url_of(proxy.port), 10**6, 10**5, timeout=TIMEOUT, retry_interval=0, prefix="u:"
-        )
+        protected = through(proxy, SLOW_RETRY)
+        unprotected = through(proxy, 0, prefix="u:")
         with closing(protected), closing(unprotected):
             assert not protected.allow("warm").degraded
             assert not unprotected.allow("warm").degraded
