@@ -136,6 +136,11 @@ def hung_server(server: RedisServer, quick: bool) -> list[Row]:
     slowest = max(end - start for start, end, _, _ in during)
     return [
         (
+            f"commands that reached it while it hung {stop:g} s (retry_interval {retry:g} s)",
+            f"{hang.sent}",
+            f"<= {faults.THREADS} + {1 + stop / retry:g} probes (still asserted)",
+        ),
+        (
             f"the slowest of {len(during):,} calls made while it hung {stop:g} s",
             f"{slowest * 1000:.0f} ms",
             f"< {stop / 2:g} s",
