@@ -30,7 +30,7 @@ from bucketlimit.testing import ManualClock
 from bucketlimit.web import reserve
 from tests.redis.test_redis_batching import PACKAGE
 from tests.support.redis_servers import RedisServer, ServerFactory, command, free_port
-from tests.support.threads import wait_until
+from tests.support.threads import interrupting_main, wait_until
 
 pytestmark = pytest.mark.redis
 
@@ -600,12 +600,7 @@ class HoldingClient(redis.Redis):
         if self.armed and args and args[0] == "EVALSHA" and self.scripts < 2:
             held, self.scripts = self.scripts, self.scripts + 1
             self.entered[held].set()
-            # In short waits: CPython runs a signal's handler between bytecodes, so a
-            # SIGINT landing just before one blocking wait began would be handled only
-            # when that wait ended (1 run in 8 waited out its 10 s).
-            deadline = time.monotonic() + 10
-            while not self.release[held].wait(0.01) and time.monotonic() < deadline:
-                pass
+            self.release[held].wait(10)
         return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
 
 
@@ -666,15 +661,16 @@ def test_the_senders_interruption_is_its_own(redis_server: RedisServer) -> None:
                 time.sleep(0.001)
         client.release[0].set()  # the lone one lands: main sends the shared one ...
         assert client.entered[1].wait(10)  # ... which is held in its send
-        signal.pthread_kill(main.ident or 0, signal.SIGINT)
+        interrupt()
 
     others: list[threading.Thread] = []
-    helper = threading.Thread(target=later)
-    helper.start()
-    try:
-        results["main"] = limiter.allow("k")
-    except KeyboardInterrupt as error:
-        results["main"] = error
+    with interrupting_main() as interrupt:
+        helper = threading.Thread(target=later)
+        helper.start()
+        try:
+            results["main"] = limiter.allow("k")
+        except KeyboardInterrupt as error:
+            results["main"] = error
     client.release[1].set()
     helper.join(10)
     lone.join(10)
