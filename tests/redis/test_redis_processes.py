@@ -15,7 +15,7 @@ import redis
 
 import bucketlimit
 from bucketlimit.redis import RedisTokenBucketLimiter
-from tests.support.processes import run_processes
+from tests.support.processes import CONTEXT, run_processes
 
 MICROS = 1_000_000
 
@@ -23,17 +23,29 @@ MICROS = 1_000_000
 # -- 8 processes x 300 calls on one key: exactly the capacity --------------------------
 
 
-def spend_one_key(url: str, calls: int) -> int:
+def spend_one_key(url: str, rounds: int, calls: int, between: Any) -> list[int]:
+    """``rounds`` rounds of ``calls`` allows, the processes waiting for each other
+    (``between``, a barrier) after each: the admissions of each round."""
     limiter = RedisTokenBucketLimiter(redis.Redis.from_url(url), 1000, 0, prefix="bucketlimit:")
-    return sum(limiter.allow("shared").allowed for _ in range(calls))
+    admitted = []
+    for _ in range(rounds):
+        admitted.append(sum(limiter.allow("shared").allowed for _ in range(calls)))
+        between.wait(60)
+    return admitted
 
 
 def test_eight_processes_admit_exactly_the_capacity(
     redis_client: redis.Redis, redis_url: str
 ) -> None:
-    admitted = run_processes(spend_one_key, [(redis_url, 300)] * 8)
-    assert sum(admitted) == 1000, f"admitted {admitted}: not the capacity, 1,000, in all"
-    assert all(0 < n <= 300 for n in admitted), f"admitted {admitted}: a process got none"
+    """8 processes, 3 rounds of 100 calls each, on a capacity of 1,000 at rate 0: the
+    first round (800 calls) is admitted whole, the second shares the last 200 among
+    whoever gets there first, the third gets nothing: 1,000 in all, whatever the
+    order in which the processes ran."""
+    between = CONTEXT.Barrier(8)
+    rounds = run_processes(spend_one_key, [(redis_url, 3, 100, between)] * 8)
+    assert [r[0] for r in rounds] == [100] * 8, f"admitted by round: {rounds}: not all of the first"
+    assert sum(r[1] for r in rounds) == 200, f"admitted by round: {rounds}: not 200 in the second"
+    assert [r[2] for r in rounds] == [0] * 8, f"admitted by round: {rounds}: some in the third"
     balance, _ = redis_client.get("bucketlimit:{shared}:shared").split()  # type: ignore[union-attr]
     assert balance == b"0", "the bucket holds what nobody was admitted"
 
