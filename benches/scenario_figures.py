@@ -129,7 +129,7 @@ def hung_server(server: RedisServer, quick: bool) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="bench-hung-") as directory:
         hung = RedisServer(Path(directory)).start()
         try:
-            hang = faults.hang_the_server(hung, stop, retry)
+            hang = faults.hang_the_server(hung, stop, retry, timeout=0.05)
         finally:
             hung.stop()
     during = hang.calls.within(hang.paused, hang.resumed)

@@ -11,7 +11,7 @@ recoveries took is benches/scenario_figures.py's). Waits are bounded polling
 (``wait_for``), except the scenarios whose subject is a span of time ("the server
 hangs for 1 s", "the store is slow for 1.5 s"). Worker threads rest 2 ms between
 calls, so that on a busy 2-core machine the proxy and the server still get the CPU
-they need to answer within the 50 ms timeouts.
+they need to answer within the clients' timeouts.
 """
 
 from __future__ import annotations
@@ -180,10 +180,13 @@ def stats_since(limiter: Any, before: Any) -> dict[str, int]:
     return {name: after[name] - before[name] for name in before}
 
 
-# -- a hung server: SIGSTOP, 8 threads, socket_timeout 50 ms ------------------------------
+# -- a hung server: SIGSTOP, 8 threads, socket_timeout 0.25 s ----------------------------
 
 THREADS = 8
-TIMEOUT = 0.05
+#: The client's socket timeout: a loaded machine (a core held busy) delays a healthy
+#: reply past 50 ms now and then, which opens the breaker a second time. The counts
+#: asserted do not depend on it; benches/scenario_figures.py runs 50 ms.
+TIMEOUT = 0.25
 
 
 @dataclass
@@ -201,11 +204,13 @@ class Hang:
     logs: list[logging.LogRecord]
 
 
-def through(proxy: TcpProxy, retry: float, prefix: str = "bucketlimit:") -> RedisTokenBucketLimiter:
+def through(
+    proxy: TcpProxy, retry: float, prefix: str = "bucketlimit:", timeout: float = TIMEOUT
+) -> RedisTokenBucketLimiter:
     """A limiter of a million tokens (100,000 a second) on the proxy, its client
-    waiting TIMEOUT for a reply, its breaker's retry_interval ``retry``."""
+    waiting ``timeout`` for a reply, its breaker's retry_interval ``retry``."""
     return RedisTokenBucketLimiter.from_url(
-        url_of(proxy.port), 10**6, 10**5, timeout=TIMEOUT, retry_interval=retry, prefix=prefix
+        url_of(proxy.port), 10**6, 10**5, timeout=timeout, retry_interval=retry, prefix=prefix
     )
 
 
@@ -220,9 +225,12 @@ class Recorder(logging.Handler):
         self.records.append(record)
 
 
-def hang_the_server(server: RedisServer, stop: float, retry: float) -> Hang:
+def hang_the_server(
+    server: RedisServer, stop: float, retry: float, timeout: float = TIMEOUT
+) -> Hang:
     """The test's scenario (benches/scenario_figures.py runs it 3 s with retry 1 s and
-    prints how long the calls and the recovery took). Logs at INFO are recorded."""
+    timeout 50 ms, and prints how long the calls and the recovery took). Logs at INFO
+    are recorded."""
     handler = Recorder()
     records = handler.records
     logger = logging.getLogger("bucketlimit")
@@ -231,7 +239,7 @@ def hang_the_server(server: RedisServer, stop: float, retry: float) -> Hang:
     logger.setLevel(logging.INFO)
     try:
         with TcpProxy(server.port) as proxy:
-            limiter = through(proxy, retry)
+            limiter = through(proxy, retry, timeout=timeout)
             with closing(limiter), Workers(limiter, THREADS) as workers:
                 wait_for(lambda: workers.store_backed_streak() >= 50 * THREADS, "a healthy store")
                 before = limiter.stats()
@@ -564,7 +572,7 @@ SLOW_RETRY = 0.25
 
 @pytest.mark.timeout(60)
 def test_a_slow_store_is_not_amplified_by_retries(redis_server_factory: ServerFactory) -> None:
-    """The proxy delays every command by 100 ms; the client waits 50 ms. Every call
+    """The proxy delays every command by 0.5 s; the client waits 0.25 s. Every call
     would time out; with the breaker the store sees the calls already on their way
     (one per thread) plus one probe per retry_interval. Without it (retry_interval=0)
     every call sends its own command and waits out its own timeout."""
@@ -576,7 +584,7 @@ def test_a_slow_store_is_not_amplified_by_retries(redis_server_factory: ServerFa
         with closing(protected), closing(unprotected):
             assert not protected.allow("warm").degraded
             assert not unprotected.allow("warm").degraded
-            proxy.latency = 0.1
+            proxy.latency = 2 * TIMEOUT
             before = protected.stats()
             since = time.monotonic()
             with Workers(protected, SLOW_THREADS) as workers:
