@@ -187,6 +187,9 @@ def test_clients_table_in_the_text_report() -> None:
     assert table_row(out, "offered")[0] == sum(int(r[1]) for r in rows.values())
 
 
+@pytest.mark.timeout(
+    120
+)  # a hang guard: matplotlib's first import: 1 s idle, 13 s on a crushed machine
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     picture = tmp_path / "run.png"
     args = simulate_args(capacity="10", rate="2", pattern="boundary", duration="30")
@@ -355,6 +358,7 @@ def test_compare_on_the_boundary_pattern_shows_the_double_burst() -> None:
     assert busiest["token_bucket"]["admitted"] <= busiest["token_bucket_bound"]
 
 
+@pytest.mark.timeout(120)  # a hang guard: three processes: 1 s idle, 10 s on a crushed machine
 def test_the_console_script_runs_the_same_command() -> None:
     script = Path(sys.executable).parent / "bucketlimit"
     assert script.exists(), "pip install -e . installs the bucketlimit console script"

@@ -54,6 +54,7 @@ def test_install_says_the_silent_build_takes_a_while() -> None:
     assert lines.index(notes[0]) == build - 1
 
 
+@pytest.mark.timeout(120)  # a hang guard: a pytest run of its own, 2 s idle, 30 s at load 14
 def test_readme_counts_the_tests_that_wait_for_make_wheel(tmp_path: Path) -> None:
     """The README's number is what a checkout without ``dist/`` skips."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -43,6 +43,7 @@ from bucketlimit.testing import ManualClock
 from tests.redis.test_redis_parity import PinnedAsyncRedisLimiter, PinnedRedisLimiter
 from tests.support.redis_servers import CLUSTER_SLOTS, RedisClusterNodes, ServerFactory
 from tests.support.tcp_proxy import TcpProxy
+from tests.support.threads import interrupting_main
 
 pytestmark = pytest.mark.interpreters
 
@@ -380,18 +381,19 @@ def test_a_thread_interrupted_while_it_waits_leaves_no_thread_waiting(
         deadline = time.monotonic() + 10
         while not waiting_on_an_event(main) and time.monotonic() < deadline:
             time.sleep(0.001)
-        signal.pthread_kill(main.ident or 0, signal.SIGINT)
+        interrupt()
 
     first = threading.Thread(target=allow, args=("first",))
     first.start()
     assert client.entered.wait(10)  # the first round trip is in flight
-    interrupter = threading.Thread(target=interrupt_main_when_it_waits)
-    interrupter.start()
-    try:
-        results["interrupted"] = limiter.allow("k")  # queued behind the first
-    except KeyboardInterrupt as error:
-        results["interrupted"] = error
-    interrupter.join(10)
+    with interrupting_main() as interrupt:
+        interrupter = threading.Thread(target=interrupt_main_when_it_waits)
+        interrupter.start()
+        try:
+            results["interrupted"] = limiter.allow("k")  # queued behind the first
+        except KeyboardInterrupt as error:
+            results["interrupted"] = error
+        interrupter.join(10)
     second = threading.Thread(target=allow, args=("second",))
     second.start()
     deadline = time.monotonic() + 10

@@ -30,6 +30,7 @@ from bucketlimit.testing import ManualClock
 from bucketlimit.web import reserve
 from tests.redis.test_redis_batching import PACKAGE
 from tests.support.redis_servers import RedisServer, ServerFactory, command, free_port
+from tests.support.threads import interrupting_main, wait_until
 
 pytestmark = pytest.mark.redis
 
@@ -274,8 +275,9 @@ def test_many_threads_making_the_first_calls_build_one_client(redis_url: str) ->
     # Before: each thread built a client on the one shared pool and the losers'
     # close() cut the winners' connections: ValueError (I/O on a closed file),
     # degraded answers, 10-12 of 40 fresh limiters' breakers open with 32 threads.
+    # 20 limiters: 5 or 6 of them were broken before (10-12 of 40).
     limiters = [
-        RedisTokenBucketLimiter.from_url(redis_url, 10, 1, prefix=fresh()) for _ in range(40)
+        RedisTokenBucketLimiter.from_url(redis_url, 10, 1, prefix=fresh()) for _ in range(20)
     ]
     start = threading.Barrier(32)
     errors: list[BaseException] = []
@@ -295,11 +297,11 @@ def test_many_threads_making_the_first_calls_build_one_client(redis_url: str) ->
     for thread in threads:
         thread.join(30)
     try:
-        assert errors == []
-        assert len(degraded) == 32 * 40
-        assert not any(degraded)
-        assert [limiter.stats()["breaker_openings"] for limiter in limiters] == [0] * 40
-        assert len({id(limiter.client) for limiter in limiters}) == 40  # one each, kept
+        assert errors == [], "a first call raised"
+        assert len(degraded) == 32 * 20, f"{len(degraded)} answers of {32 * 20}"
+        assert not any(degraded), f"{sum(degraded)} degraded answers"
+        assert [limiter.stats()["breaker_openings"] for limiter in limiters] == [0] * 20
+        assert len({id(limiter.client) for limiter in limiters}) == 20  # one each, kept
     finally:
         for limiter in limiters:
             limiter.close()
@@ -456,7 +458,8 @@ def test_a_hung_node_holds_no_other_nodes_calls_group_commit(
         hung.pause()
         stuck = threading.Thread(target=limiter.allow, args=(by_node[hung.port][1],))
         stuck.start()
-        time.sleep(0.05)
+        # Its round trip is on its way: the thread waits for the hung node's reply.
+        wait_until(lambda: reading_a_reply(stuck), "the hung node's call to be sent", 30)
         healthy = [k for s in cluster.servers[1:] for k in by_node[s.port]]
         answers: list[Any] = []
         threads = [
@@ -630,6 +633,16 @@ class HoldingClient(redis.Redis):
         return super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
 
 
+def reading_a_reply(thread: threading.Thread) -> bool:
+    """Whether ``thread`` waits for a reply in redis-py (its connection's read)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "read_response":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def waiting_in_the_package(thread: threading.Thread) -> bool:
     frame = sys._current_frames().get(thread.ident or 0)
     waiting = False
@@ -677,15 +690,16 @@ def test_the_senders_interruption_is_its_own(redis_server: RedisServer) -> None:
                 time.sleep(0.001)
         client.release[0].set()  # the lone one lands: main sends the shared one ...
         assert client.entered[1].wait(10)  # ... which is held in its send
-        signal.pthread_kill(main.ident or 0, signal.SIGINT)
+        interrupt()
 
     others: list[threading.Thread] = []
-    helper = threading.Thread(target=later)
-    helper.start()
-    try:
-        results["main"] = limiter.allow("k")
-    except KeyboardInterrupt as error:
-        results["main"] = error
+    with interrupting_main() as interrupt:
+        helper = threading.Thread(target=later)
+        helper.start()
+        try:
+            results["main"] = limiter.allow("k")
+        except KeyboardInterrupt as error:
+            results["main"] = error
     client.release[1].set()
     helper.join(10)
     lone.join(10)

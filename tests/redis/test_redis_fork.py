@@ -25,7 +25,8 @@ from tests.support.redis_servers import free_port
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="no fork() on Windows")
 
-CHILDREN = 150
+# Before the fix, 15 of 300 children hung: 100 children all pass by chance 0.6 % of the time.
+CHILDREN = 100
 THREADS = 6
 
 

@@ -8,6 +8,7 @@ units (1,000,000 per token at whole-number rates) and the last refill in µs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -359,15 +360,22 @@ def expiry_bracket(client: redis.Redis, call: Any, key: bytes) -> tuple[int, int
 
 def test_ttl_is_the_time_until_full_rounded_up(redis_client: redis.Redis) -> None:
     clock = ManualClock()
-    limiter = RedisTokenBucketLimiter(redis_client, 10, 1, clock)
-    low, high = expiry_bracket(redis_client, lambda: limiter.allow("k", 3), limiter.redis_key("k"))
-    assert low <= 3000 <= high
-    assert high - low <= 1000, "bracketed within a second of server time"
+    # The bracket is as wide as the call took; one wider than the second between the
+    # TTLs compared proves nothing: another key is tried (a stalled machine, not a fault).
+    for attempt in range(5):
+        limiter = RedisTokenBucketLimiter(redis_client, 10, 1, clock, prefix=f"ttl-{attempt}:")
+        key = limiter.redis_key("k")
+        low, high = expiry_bracket(redis_client, functools.partial(limiter.allow, "k", 3), key)
+        if high - low <= 1000:
+            break
+    else:
+        pytest.fail(f"5 calls each took over a second of server time (the last {high - low} ms)")
+    assert low <= 3000 <= high, f"the TTL set was {low}-{high} ms, not 3,000"
     # 7 tokens + 0.499999 refilled + 1 refunded: 1,500,001 µs to full, so 1,501 ms.
     clock.advance(0.499_999)
     low, high = expiry_bracket(redis_client, lambda: limiter.refund("k", 1), limiter.redis_key("k"))
     assert limiter.peek("k").reset_after == 2.500_001  # as if one more token were spent
-    assert low <= 1501 <= high
+    assert low <= 1501 <= high, f"the TTL set was {low}-{high} ms, not 1,501"
 
 
 def test_ttl_is_never_zero(redis_client: redis.Redis) -> None:
@@ -535,10 +543,10 @@ def test_a_timed_out_command_is_not_sent_again(
     server = redis_server_factory.start()
     if retries == 0:
         limiter = RedisTokenBucketLimiter.from_url(
-            server.url, 10, 0, timeout=0.5, on_store_error="raise", prefix="bucketlimit:"
+            server.url, 10, 0, timeout=0.25, on_store_error="raise", prefix="bucketlimit:"
         )
     else:
-        client = redis.Redis(port=server.port, socket_timeout=0.5, retry=Retry(NoBackoff(), 2))
+        client = redis.Redis(port=server.port, socket_timeout=0.25, retry=Retry(NoBackoff(), 2))
         limiter = RedisTokenBucketLimiter(
             client, 10, 0, on_store_error="raise", prefix="bucketlimit:"
         )

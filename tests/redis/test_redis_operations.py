@@ -104,8 +104,8 @@ class Tally:
 # -- issue 10 item 1: a whole cluster unreachable is an outage, not a mistake --------
 
 CAPACITY = 100_000  # rate 0: every admission stays charged in Redis, to be counted
-OUTAGE = 1.2  # seconds: longer than retry_interval, so that probes fail too
-RETRY = 0.4
+OUTAGE = 0.6  # seconds: longer than retry_interval, so that probes fail too
+RETRY = 0.2
 
 
 def run_sync(limiter: RedisTokenBucketLimiter, key: str, seconds: float, tally: Tally) -> None:
@@ -140,6 +140,7 @@ def test_a_whole_cluster_down_or_hung_goes_to_the_policy(
     ) as limiter:
         before, during, after = Tally(), Tally(), Tally()
         run_sync(limiter, key, 0.2, before)
+        down = time.monotonic()
         if fault == "stop":
             cluster.stop()
         else:
@@ -163,24 +164,45 @@ def test_a_whole_cluster_down_or_hung_goes_to_the_policy(
         else:
             cluster.resume()
         wait_for(lambda: not limiter.allow(key).degraded, "answers from the cluster again")
+        up = time.monotonic()
         run_sync(limiter, key, 0.2, after)
         stats = limiter.stats()
 
-    assert before.errors == during.errors == after.errors == []
-    assert before.degraded == after.degraded == 0
-    assert during.degraded == during.calls > 0
-    assert during.store_admitted == 0
-    # The breaker opened and skipped the store: a few commands per interval, not one
-    # per call (a breaker per node, and the shared one, each probe once per interval).
-    assert stats["breaker_openings"] >= 1
-    assert stats["store_errors"] <= 4 * (OUTAGE / RETRY + 2)
+    assert_outage_answers(before, during, after, stats, up - down)
     if fault == "pause":
         # Nothing was lost: Redis charged every store-backed admission, plus the
         # commands that timed out and ran when the nodes woke up (docs/redis.md,
         # "What a degraded answer may have charged").
-        spent = charged(cluster, key, CAPACITY)
-        store_backed = before.store_admitted + after.store_admitted
-        assert store_backed <= spent <= store_backed + stats["store_errors"] + 1
+        assert_charged_once(charged(cluster, key, CAPACITY), before, after, stats)
+
+
+def assert_outage_answers(
+    before: Tally, during: Tally, after: Tally, stats: RedisLimiterStats, outage: float
+) -> None:
+    """Answers from the store before and after, by the policy during the outage (of
+    ``outage`` seconds, from the fault to the first answer from the store again: a
+    restarted node serves 2 s after it starts), with the breaker skipping the store."""
+    assert before.errors == during.errors == after.errors == [], "a call raised"
+    assert before.degraded == after.degraded == 0, "degraded while the cluster was up"
+    assert during.degraded == during.calls > 0, (
+        f"{during.calls} calls during the outage, {during.degraded} degraded"
+    )
+    assert during.store_admitted == 0, "admitted by the store while it was down"
+    # The breaker opened and skipped the store: a few commands per interval, not one
+    # per call (a breaker per node, and the shared one, each probe once per interval).
+    assert stats["breaker_openings"] >= 1, "the breaker never opened"
+    errors, bound = stats["store_errors"], 4 * (outage / RETRY + 2)
+    assert errors <= bound, f"{errors} store errors in a {outage:.2f} s outage, over {bound:.0f}"
+
+
+def assert_charged_once(spent: int, before: Tally, after: Tally, stats: RedisLimiterStats) -> None:
+    """Redis charged every store-backed admission, and at most the commands that timed
+    out (and ran when the nodes woke up) besides."""
+    store_backed = before.store_admitted + after.store_admitted
+    most = store_backed + stats["store_errors"] + 1
+    assert store_backed <= spent <= most, (
+        f"Redis charged {spent}: {store_backed} admitted by it, at most {most} with timeouts"
+    )
 
 
 def assert_raise_policy(url: str, key: str) -> None:
@@ -224,6 +246,7 @@ def test_an_async_limiter_with_a_whole_cluster_down_or_hung(
     cluster = redis_server_factory.cluster()
     key = key_on_node(2)
     before, during, after = Tally(), Tally(), Tally()
+    outage = [0.0]  # when the fault began, then how long until the store answered again
 
     async def main() -> RedisLimiterStats:
         limiter = AsyncRedisTokenBucketLimiter.from_url(
@@ -237,6 +260,7 @@ def test_an_async_limiter_with_a_whole_cluster_down_or_hung(
         )
         try:
             await run_async(limiter, key, 0.2, before)
+            outage[0] = time.monotonic()
             if fault == "stop":
                 cluster.stop()
             else:
@@ -251,21 +275,16 @@ def test_an_async_limiter_with_a_whole_cluster_down_or_hung(
             while (await limiter.allow(key)).degraded:
                 assert time.monotonic() < deadline, "the cluster never answered again"
                 await asyncio.sleep(0.02)
+            outage[0] = time.monotonic() - outage[0]
             await run_async(limiter, key, 0.2, after)
             return limiter.stats()
         finally:
             await limiter.client.aclose()
 
     stats = asyncio.run(main())
-    assert before.errors == during.errors == after.errors == []
-    assert before.degraded == after.degraded == 0
-    assert during.degraded == during.calls > 0
-    assert stats["breaker_openings"] >= 1
-    assert stats["store_errors"] <= 4 * (OUTAGE / RETRY + 2)
+    assert_outage_answers(before, during, after, stats, outage[0])
     if fault == "pause":
-        spent = charged(cluster, key, CAPACITY)
-        store_backed = before.store_admitted + after.store_admitted
-        assert store_backed <= spent <= store_backed + stats["store_errors"] + 1
+        assert_charged_once(charged(cluster, key, CAPACITY), before, after, stats)
 
 
 # -- issue 10 item 4: from_url(cluster=True) sends nothing at construction -------------
@@ -281,7 +300,7 @@ def test_from_url_cluster_connects_on_first_use() -> None:
     answer = limiter.allow("k")
     assert answer.allowed
     assert answer.degraded
-    assert limiter.stats()["breaker_openings"] == 1
+    assert limiter.stats()["breaker_openings"] == 1, "not one outage"
     # Reading `client` builds it now, and says why it cannot.
     with pytest.raises(redis.exceptions.RedisClusterException, match="cannot be connected"):
         _ = limiter.client
@@ -295,13 +314,17 @@ def test_from_url_builds_its_client_once(redis_url: str) -> None:
     assert limiter.allow("k")
     client = limiter.client
     assert limiter.client is client
-    assert limiter.allow("k").remaining == 3
+    assert limiter.allow("k").remaining == 3, "not the second call on one bucket"
     assert isinstance(client, redis.Redis)
     assert isinstance(client.connection_pool, redis.BlockingConnectionPool)
     client.close()
 
 
 # -- the operator limit: one breaker per limiter covered a whole cluster --------------
+
+#: A killed node refuses at once: a long timeout costs nothing there, and on a loaded
+#: machine a healthy node's reply may take more than TIMEOUT.
+KILLED_TIMEOUT = 5.0
 
 
 @pytest.mark.timeout(60)
@@ -316,7 +339,7 @@ def test_one_nodes_outage_degrades_only_its_keys(redis_server_factory: ServerFac
             1_000,
             0,
             cluster=True,
-            timeout=TIMEOUT,
+            timeout=KILLED_TIMEOUT,
             retry_interval=30,
             prefix="bucketlimit:",
             processes=1,  # "local" answers from the whole capacity, counted or not
@@ -328,7 +351,7 @@ def test_one_nodes_outage_degrades_only_its_keys(redis_server_factory: ServerFac
         assert [a.degraded for a in answers] == [False, False, True] * 5
         assert all(a.allowed for a in answers)
         stats = limiter.stats()
-        assert stats["breaker_openings"] == 1
+        assert stats["breaker_openings"] == 1, "not one outage, of one node"
         assert stats["store_errors"] == 1, "the dead node's breaker skipped it"
         # Other keys of the healthy nodes are unaffected as well.
         assert not limiter.allow(key_on_node(0, skip=3)).degraded
@@ -346,7 +369,7 @@ def test_one_nodes_outage_degrades_only_its_keys_async(
             1_000,
             0,
             cluster=True,
-            timeout=TIMEOUT,
+            timeout=KILLED_TIMEOUT,
             retry_interval=30,
             prefix="bucketlimit:",
         )
@@ -359,8 +382,8 @@ def test_one_nodes_outage_degrades_only_its_keys_async(
             await limiter.client.aclose()
 
     degraded, stats = asyncio.run(main())
-    assert degraded == [True, False, False] * 5
-    assert stats["breaker_openings"] == 1
+    assert degraded == [True, False, False] * 5, "degraded answers for another node's keys"
+    assert stats["breaker_openings"] == 1, "not one outage, of one node"
 
 
 # -- issue 10 item 2: a full connection pool is not an outage ----------------------------
@@ -393,7 +416,7 @@ def test_a_burst_larger_than_the_pool_waits_for_a_connection(redis_url: str) -> 
     answers, stats = asyncio.run(main())
     assert [a.degraded for a in answers] == [False] * BURST
     assert all(a.allowed for a in answers)
-    assert stats["breaker_openings"] == stats["store_errors"] == 0
+    assert stats["breaker_openings"] == stats["store_errors"] == 0, f"an outage: {stats}"
     client = redis.Redis.from_url(redis_url)
     value = client.get("bucketlimit:{k}:k")
     client.close()
@@ -437,8 +460,8 @@ def test_an_exhausted_pool_of_your_own_is_waited_for_then_answered_by_the_policy
     assert not any(a.degraded for a in burst), "a burst waits for its pool's connections"
     assert all(a.degraded and not a.allowed for a in starved), '"closed": refused, degraded'
     assert not later.degraded, "the next call asks the store"
-    assert stats["breaker_openings"] == stats["store_errors"] == 0
-    assert stats["fallback_decisions"] == len(starved)
+    assert stats["breaker_openings"] == stats["store_errors"] == 0, f"an outage: {stats}"
+    assert stats["fallback_decisions"] == len(starved), f"{len(starved)} degraded: {stats}"
     # No outage, so no breaker's lines; but the first answer without the store says
     # why, once (a degraded answer is never silent).
     [record] = [r for r in caplog.records if r.name == "bucketlimit"]
@@ -465,7 +488,7 @@ def test_an_exhausted_blocking_pool_of_your_own_is_not_an_outage(redis_url: str)
     assert answer.degraded
     assert not limiter.allow("k").degraded
     stats = limiter.stats()
-    assert stats["breaker_openings"] == stats["store_errors"] == 0
+    assert stats["breaker_openings"] == stats["store_errors"] == 0, f"an outage: {stats}"
     client.close()
 
 
@@ -502,11 +525,11 @@ def test_a_demoted_primary_is_one_outage_not_a_flapping_breaker(
         # Each allow of "fresh" needs a write: READONLY, answered by the policy; each
         # refusal of "spent" is the replica's answer, and closes nothing.
         assert [a.degraded for a in answers] == [True, False] * 5
-        assert limiter.stats()["breaker_openings"] == 1
+        assert limiter.stats()["breaker_openings"] == 1, "not one outage"
         admin.replicaof("NO", "ONE")  # promoted: writes succeed again
         assert not limiter.allow("fresh-2").degraded
         assert not limiter.allow("fresh").degraded
-        assert limiter.stats()["breaker_openings"] == 1
+        assert limiter.stats()["breaker_openings"] == 1, "the breaker flapped"
     admin.close()
     ours = [r for r in caplog.records if r.name == "bucketlimit"]
     assert [r.levelno for r in ours] == [logging.WARNING, logging.INFO]
@@ -606,12 +629,13 @@ def test_an_async_answer_without_io_still_lets_the_loop_run(redis_url: str, path
         finally:
             await limiter.client.aclose()
 
-    assert asyncio.run(main()) >= calls // 2
+    ticks = asyncio.run(main())
+    assert ticks >= calls // 2, f"another task ran {ticks} times during {calls} answers"
 
 
 # -- issue 10 item 3: the asyncio cluster client during a slot migration ------------------
 
-MIGRATION = 2.5  # seconds of back-and-forth migrations of one slot under load
+MIGRATIONS = 4  # back and forth, of one slot under load
 
 
 @pytest.mark.timeout(90)
@@ -634,8 +658,7 @@ def test_an_async_cluster_limiter_through_slot_migrations(
 
     def migrate(loop: asyncio.AbstractEventLoop) -> None:
         try:
-            deadline = time.monotonic() + MIGRATION
-            while time.monotonic() < deadline:
+            for _ in range(MIGRATIONS):
                 source = cluster.owner(slot)
                 target = next(s for s in cluster.servers if s is not source)
                 cluster.move_slot(slot, target, batch=1)  # ASK for each moved key meanwhile
@@ -686,9 +709,11 @@ def test_an_async_cluster_limiter_through_slot_migrations(
         f"\n{migrations[0]} migrations: {tally.answers} calls, {tally.degraded} degraded, "
         f"{len(tally.errors)} exceptions, {tally.store_admitted} admitted, {spent} charged"
     )
-    assert migrations[0] >= 2
-    assert tally.errors == []
-    assert tally.store_admitted > 0
+    assert migrations[0] == MIGRATIONS, f"{migrations[0]} migrations of {MIGRATIONS}"
+    assert tally.errors == [], "a call raised"
+    assert tally.store_admitted > 0, "nothing admitted by the store"
     assert stats["breaker_openings"] == 0, "a migration is not an outage"
-    assert tally.degraded == stats["fallback_decisions"]
-    assert spent == tally.store_admitted, "every admission charged once, nothing else"
+    assert tally.degraded == stats["fallback_decisions"], f"{tally.degraded} degraded: {stats}"
+    assert spent == tally.store_admitted, (
+        f"{spent} charged, {tally.store_admitted} admitted: every admission charged once"
+    )

@@ -4,7 +4,7 @@ fail (issue 21, "Store faults"; the token buckets' own are in test_redis_faults.
 Each policy with the server stopped, the breaker and its probe, replies lost after
 the script ran (tests/support/tcp_proxy.py drops them) and a restart without
 persistence. A lost grant holds its slot until its ttl on the server's clock,
-which no test can fake: the ttl is 1 s and "never earlier" is checked on the
+which no test can fake: the ttl is 0.5 s and "never earlier" is checked on the
 server's TIME, never on a duration of the test's own.
 """
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -26,12 +28,12 @@ from bucketlimit.redis import (
     StoreUnavailableError,
 )
 from bucketlimit.testing import ManualClock
-from tests.support.redis_servers import ServerFactory
+from tests.support.redis_servers import RedisServer, ServerFactory
 from tests.support.tcp_proxy import TcpProxy
 from tests.support.threads import wait_until
 
 POLICIES: tuple[Policy, ...] = ("local", "open", "closed", "raise")
-TTL = 1.0  # seconds on the server's clock, where a lost grant must expire by itself
+TTL = 0.5  # seconds on the server's clock, where a lost grant must expire by itself
 
 
 def url_of(port: int) -> str:
@@ -191,29 +193,35 @@ def test_the_asyncio_limiter_under_a_stopped_server(redis_server_factory: Server
 
 # -- the breaker ---------------------------------------------------------------------------
 
-RETRY = 3.0  # long enough that a restart happens within it on a loaded machine
+
+def open_the_breaker(
+    factory: ServerFactory, policy: Policy, retry: float
+) -> tuple[RedisConcurrencyLimiter, RedisServer, object, float]:
+    """A limiter of limit 1 whose store failed once (stopped), which opened its breaker
+    (``retry``: its retry_interval), then restarted empty on the same port: the
+    limiter, the server, the failed call's outcome and when it was made."""
+    server = factory.start()
+    limiter = RedisConcurrencyLimiter.from_url(
+        server.url, 1, ttl=10, on_store_error=policy, retry_interval=retry
+    )
+    assert limiter.try_acquire("warm"), "the store did not answer at first"
+    server.stop()
+    opened = time.monotonic()
+    first = outcome(lambda: limiter.try_acquire("k"))  # fails: the breaker opens
+    server.restart()  # empty, on the same port
+    return limiter, server, first, opened
 
 
-@pytest.mark.timeout(60)
 @pytest.mark.parametrize("policy", ["closed", "raise"])
-def test_the_breaker_skips_the_store_then_a_probe_closes_it(
+def test_the_breaker_skips_the_store_until_its_retry_interval(
     redis_server_factory: ServerFactory, policy: Policy
 ) -> None:
     """After the failure that opens it, every call answers by the policy with no
     command sent (INFO commandstats of the restarted server, the limiter's
-    store_calls); once the retry interval has passed, one call probes the store,
-    which answers, and permits come from the store again."""
-    server = redis_server_factory.start()
-    limiter = RedisConcurrencyLimiter.from_url(
-        server.url, 1, ttl=10, on_store_error=policy, retry_interval=RETRY
-    )
-    with limiter:
-        assert limiter.try_acquire("warm")
-        server.stop()
-        opened = time.monotonic()
-        first = outcome(lambda: limiter.try_acquire("k"))  # fails: the breaker opens
-        server.restart()  # empty, on the same port
-        admin = server.client()
+    store_calls); the retry interval (60 s) outlasts the test."""
+    retry = 60.0
+    limiter, server, first, _ = open_the_breaker(redis_server_factory, policy, retry)
+    with limiter, server.client() as admin:
         asked = limiter.stats()["store_calls"]
         calls: list[Callable[[], Any]] = [
             lambda: limiter.try_acquire("k"),
@@ -221,29 +229,40 @@ def test_the_breaker_skips_the_store_then_a_probe_closes_it(
             lambda: limiter.in_flight("k"),
         ]
         skipped = [outcome(call) for call in calls]
-        assert time.monotonic() - opened < RETRY, "the machine was too slow for this test"
-        assert (script_calls(admin), limiter.stats()["store_calls"]) == (0, asked)
-        refusal = degraded(False, RETRY, 0, RETRY, 1)
+        sent = (script_calls(admin), limiter.stats()["store_calls"] - asked)
+        assert sent == (0, 0), f"(scripts run, store calls) while the breaker was open: {sent}"
+        refusal = degraded(False, retry, 0, retry, 1)
         if policy == "raise":
             assert [first, *skipped] == ["ConnectionError"] + ["StoreUnavailableError"] * 3
         else:
             assert [first, *skipped] == [refusal, refusal, refusal, 0]
-        assert limiter.stats()["breaker_open"] == 1
+        assert limiter.stats()["breaker_open"] == 1, "the breaker is not open"
+
+
+@pytest.mark.parametrize("policy", ["closed", "raise"])
+def test_a_probe_after_the_retry_interval_closes_the_breaker(
+    redis_server_factory: ServerFactory, policy: Policy
+) -> None:
+    """Once the retry interval (0.3 s) has passed, one call probes the store, which
+    answers, and permits come from the store again."""
+    retry = 0.3
+    limiter, server, _, opened = open_the_breaker(redis_server_factory, policy, retry)
+    with limiter, server.client() as admin:
         stored = Decision(True, 0.0, 0, 10.0, 1)
         wait_until(lambda: outcome(lambda: limiter.try_acquire("k")) == stored, "the probe", 30)
-        assert time.monotonic() - opened >= RETRY, "no probe before the retry interval"
+        waited = time.monotonic() - opened
+        assert waited >= retry, f"a probe {waited:.3f} s after the failure, before {retry} s"
         stats = limiter.stats()
-        assert (stats["breaker_open"], stats["breaker_openings"]) == (0, 1)
-        assert script_calls(admin) >= 1
+        assert (stats["breaker_open"], stats["breaker_openings"]) == (0, 1), f"not closed: {stats}"
+        assert script_calls(admin) >= 1, "the probe ran no script"
         assert (limiter.in_flight("k"), bool(limiter.try_acquire("k"))) == (1, False)
-        admin.close()
 
 
 # -- replies lost after the script ran ----------------------------------------------------------
 
 
 def through_proxy(proxy: TcpProxy, policy: Policy) -> RedisConcurrencyLimiter:
-    """Limit 1, ttl 1 s on the server's clock; a reply not heard within 0.5 s is lost."""
+    """Limit 1, ttl 0.5 s on the server's clock; a reply not heard within 0.5 s is lost."""
     limiter = RedisConcurrencyLimiter.from_url(
         url_of(proxy.port),
         1,
@@ -283,16 +302,40 @@ def lose_next_reply(proxy: TcpProxy, policy: Policy, call: Any) -> Any:
     return call()
 
 
+@contextmanager
+def losing_the_reply(
+    proxy: TcpProxy, policy: Policy, call: Any, admin: redis.Redis
+) -> Iterator[Future[Any]]:
+    """``call()`` with its reply dropped, in another thread, entered once the store
+    ran its script (so that the test sees what it did within the ttl, while the
+    call waits out its timeout): the future of :func:`lose_next_reply`'s answer,
+    awaited on exit, and checked to have sent one script, never again (counted by
+    the proxy: the test's own calls go to the server directly)."""
+    ran, sent = script_calls(admin), proxy.commands("EVALSHA", "EVAL")
+    with ThreadPoolExecutor(1) as pool:
+        lost = pool.submit(lose_next_reply, proxy, policy, call)
+        wait_until(lambda: script_calls(admin) > ran or lost.done(), "the script to run", 30)
+        yield lost
+        lost.result(timeout=30)
+    assert proxy.commands("EVALSHA", "EVAL") - sent == 1, "not sent once, never again"
+
+
+def held_by_nobody(direct: RedisConcurrencyLimiter, key: str) -> None:
+    """The key's one slot is held, by a grant nobody heard of."""
+    held = (direct.in_flight(key), bool(direct.try_acquire(key)))
+    assert held == (1, False), f"(in flight, another granted): {held}, not (1, False)"
+
+
 def frees_by_its_ttl(
     direct: RedisConcurrencyLimiter, admin: redis.Redis, key: str, at: int
 ) -> None:
-    """The key's one slot is held (by a grant nobody heard of) and frees when its ttl
-    has passed on the server's clock (``at``: the server's µs before the grant),
-    never earlier; then it is granted again."""
-    assert (direct.in_flight(key), bool(direct.try_acquire(key))) == (1, False)
-    wait_until(lambda: direct.in_flight(key) == 0, "the lost grant to expire", TTL + 10)
-    assert server_micros(admin) - at >= TTL * 1_000_000, "freed before its ttl"
-    assert direct.try_acquire(key)
+    """The key's slot, held by nobody, frees when its ttl has passed on the server's
+    clock (``at``: the server's µs before the grant), never earlier; then it is
+    granted again."""
+    wait_until(lambda: direct.in_flight(key) == 0, "the lost grant to expire", TTL + 30)
+    freed = server_micros(admin) - at
+    assert freed >= TTL * 1_000_000, f"freed {freed} µs after the grant, before its ttl {TTL} s"
+    assert direct.try_acquire(key), "not granted again once freed"
 
 
 @pytest.mark.timeout(60)
@@ -309,15 +352,18 @@ def test_a_grant_whose_reply_is_lost_expires_by_its_ttl(
             ("q", lambda: limiter.acquire("q", timeout=2)),
         ):
             connected(limiter)
-            start, ran = server_micros(admin), script_calls(admin)
-            lost = lose_next_reply(proxy, policy, call)
-            assert script_calls(admin) - ran == 1, "sent once, never again"
-            if lost is not None:  # answered by the policy, holding nothing on the store
-                assert (lost.decision.degraded, lost.decision.allowed) == (True, policy != "closed")
-                lost.release()
+            start = server_micros(admin)
+            with losing_the_reply(proxy, policy, call, admin) as lost:
+                held_by_nobody(direct, key)
+            answer = lost.result()
+            if answer is not None:  # answered by the policy, holding nothing on the store
+                got = (answer.decision.degraded, answer.decision.allowed)
+                assert got == (True, policy != "closed"), f"(degraded, allowed): {got}"
+                answer.release()
             frees_by_its_ttl(direct, admin, key, start)
         stats = limiter.stats()
-    assert (stats["store_errors"], stats["lost_releases"]) == (2, 0)
+    lost_counts = (stats["store_errors"], stats["lost_releases"])
+    assert lost_counts == (2, 0), f"(store errors, lost releases): {lost_counts}"
     admin.close()
 
 
@@ -334,14 +380,18 @@ def test_a_queued_waiter_whose_reply_is_lost_is_handed_a_slot_that_expires(
     direct = RedisConcurrencyLimiter(admin, 1, ttl=TTL)  # the holder
     with TcpProxy(server.port) as proxy, through_proxy(proxy, policy) as limiter:
         held = direct.try_acquire("q")
-        lost = lose_next_reply(proxy, policy, lambda: limiter.acquire("q", timeout=2))
-        if lost is not None:
-            assert lost.decision.degraded  # this process's share, in process
-            lost.release()
-        assert held.renew(), "still held: the slot goes by the release below"
-        assert int(admin.zcard(direct.redis_key("q") + b":q")) == 1, "queued on the store"
-        start = server_micros(admin)
-        held.release()  # handed to the waiter nobody hears
+        call = lambda: limiter.acquire("q", timeout=2)  # noqa: E731
+        with losing_the_reply(proxy, policy, call, admin) as lost:
+            assert held.renew(), "still held: the slot goes by the release below"
+            queued = int(admin.zcard(direct.redis_key("q") + b":q"))
+            assert queued == 1, f"{queued} waiters queued on the store, not the one"
+            start = server_micros(admin)
+            held.release()  # handed to the waiter nobody hears
+            held_by_nobody(direct, "q")
+        answer = lost.result()
+        if answer is not None:
+            assert answer.decision.degraded, "the policy's answer is not degraded"
+            answer.release()  # this process's share, in process
         frees_by_its_ttl(direct, admin, "q", start)
     admin.close()
 
@@ -360,19 +410,20 @@ def test_a_release_whose_reply_is_lost_frees_once(
     with TcpProxy(server.port) as proxy, through_proxy(proxy, policy) as limiter:
         permit = limiter.try_acquire("k")
         assert (permit.decision.allowed, permit.decision.degraded) == (True, False)
-        before, ran = limiter.stats(), script_calls(admin)
-        assert lose_next_reply(proxy, policy, permit.release) is None  # not raised but "raise"
-        assert script_calls(admin) - ran == 1
-        assert direct.in_flight("k") == 0, "freed on the store"
+        before = limiter.stats()
+        with losing_the_reply(proxy, policy, permit.release, admin) as lost:
+            # Read within the permit's ttl: freed by the release, not by its expiry.
+            assert direct.in_flight("k") == 0, "not freed on the store"
+        assert lost.result() is None, "a release answers nothing, and raises only under raise"
         successor = direct.try_acquire("k")
-        assert successor.token > permit.token > 0
+        assert successor.token > permit.token > 0, "the successor's token is not larger"
         sent = proxy.commands()
         permit.release()  # once: nothing sent, nothing of the successor's freed
-        assert proxy.commands() == sent
-        assert (direct.in_flight("k"), successor.valid()) == (1, True)
+        assert proxy.commands() == sent, "the release was sent again"
+        assert (direct.in_flight("k"), successor.valid()) == (1, True), "the successor's freed"
         stats = limiter.stats()
-    assert stats["released"] == before["released"], "not counted released"
-    assert stats["lost_releases"] == before["lost_releases"] + 1
+    assert stats["released"] == before["released"], "counted released"
+    assert stats["lost_releases"] == before["lost_releases"] + 1, "not counted lost"
     admin.close()
 
 

@@ -1,67 +1,53 @@
 """Several processes, one Redis: exact counts, all-or-nothing global caps, server time.
 
-Real processes (multiprocessing, spawn), each with its own client, released
+Real processes (tests/support/processes.py), each with its own client, released
 together by a barrier so that their calls interleave on the server.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import redis
 
 import bucketlimit
 from bucketlimit.redis import RedisTokenBucketLimiter
+from tests.support.processes import CONTEXT, run_processes
 
 MICROS = 1_000_000
-SPAWN = multiprocessing.get_context("spawn")
-
-
-def _entry(target: Callable[..., Any], barrier: Any, results: Any, args: tuple[Any, ...]) -> None:
-    barrier.wait()
-    try:
-        results.put(("ok", target(*args)))
-    except BaseException as e:  # reported to the test, which fails with it
-        results.put(("error", repr(e)))
-
-
-def run_processes(target: Callable[..., Any], args: list[tuple[Any, ...]]) -> list[Any]:
-    """Runs ``target(*a)`` for each ``a`` in its own process; returns their results."""
-    barrier = SPAWN.Barrier(len(args))
-    results = SPAWN.Queue()
-    processes = [SPAWN.Process(target=_entry, args=(target, barrier, results, a)) for a in args]
-    for process in processes:
-        process.start()
-    answers = [results.get(timeout=300) for _ in processes]
-    for process in processes:
-        process.join(60)
-        assert process.exitcode == 0
-    errors = [detail for status, detail in answers if status == "error"]
-    assert errors == []
-    return [detail for _, detail in answers]
 
 
 # -- 8 processes x 300 calls on one key: exactly the capacity --------------------------
 
 
-def spend_one_key(url: str, calls: int) -> int:
+def spend_one_key(url: str, rounds: int, calls: int, between: Any) -> list[int]:
+    """``rounds`` rounds of ``calls`` allows, the processes waiting for each other
+    (``between``, a barrier) after each: the admissions of each round."""
     limiter = RedisTokenBucketLimiter(redis.Redis.from_url(url), 1000, 0, prefix="bucketlimit:")
-    return sum(limiter.allow("shared").allowed for _ in range(calls))
+    admitted = []
+    for _ in range(rounds):
+        admitted.append(sum(limiter.allow("shared").allowed for _ in range(calls)))
+        between.wait(60)
+    return admitted
 
 
 def test_eight_processes_admit_exactly_the_capacity(
     redis_client: redis.Redis, redis_url: str
 ) -> None:
-    admitted = run_processes(spend_one_key, [(redis_url, 300)] * 8)
-    assert sum(admitted) == 1000
-    assert all(0 < n <= 300 for n in admitted), "every process got some"
+    """8 processes, 3 rounds of 100 calls each, on a capacity of 1,000 at rate 0: the
+    first round (800 calls) is admitted whole, the second shares the last 200 among
+    whoever gets there first, the third gets nothing: 1,000 in all, whatever the
+    order in which the processes ran."""
+    between = CONTEXT.Barrier(8)
+    rounds = run_processes(spend_one_key, [(redis_url, 3, 100, between)] * 8)
+    assert [r[0] for r in rounds] == [100] * 8, f"admitted by round: {rounds}: not all of the first"
+    assert sum(r[1] for r in rounds) == 200, f"admitted by round: {rounds}: not 200 in the second"
+    assert [r[2] for r in rounds] == [0] * 8, f"admitted by round: {rounds}: some in the third"
     balance, _ = redis_client.get("bucketlimit:{shared}:shared").split()  # type: ignore[union-attr]
-    assert balance == b"0"
+    assert balance == b"0", "the bucket holds what nobody was admitted"
 
 
 # -- a per-user limit plus a global cap, through allow_all -----------------------------
@@ -90,16 +76,17 @@ def test_global_cap_across_processes(redis_client: redis.Redis, redis_url: str) 
     results = run_processes(spend_with_global_cap, [(redis_url, seed, 100) for seed in range(4)])
     admitted = Counter(user for answers in results for user, allowed in answers if allowed)
     refused = sum(not allowed for answers in results for _, allowed in answers)
-    assert sum(admitted.values()) == GLOBAL_CAPACITY
-    assert refused == 400 - GLOBAL_CAPACITY
+    assert sum(admitted.values()) == GLOBAL_CAPACITY, f"{admitted}: not the global cap in all"
+    assert refused == 400 - GLOBAL_CAPACITY, f"{refused} of 400 refused"
     assert admitted["user-0"] == USER_CAPACITY, "user-0 was refused by its own limit"
-    assert all(n <= USER_CAPACITY for n in admitted.values())
+    assert all(n <= USER_CAPACITY for n in admitted.values()), f"{admitted}: over a user's limit"
     # Nobody was charged for a refusal: each bucket lost exactly what it admitted.
     for user in USERS:
         value = redis_client.get(f"user:{{{user}}}:{user}")
         balance = USER_CAPACITY * MICROS if value is None else int(value.split()[0])
-        assert balance == (USER_CAPACITY - admitted[user]) * MICROS, user
-    assert redis_client.get("global:{all}:all").split()[0] == b"0"  # type: ignore[union-attr]
+        assert balance == (USER_CAPACITY - admitted[user]) * MICROS, f"{user} charged a refusal"
+    global_balance = redis_client.get("global:{all}:all").split()[0]  # type: ignore[union-attr]
+    assert global_balance == b"0", "the global bucket holds what nobody was admitted"
 
 
 # -- server time: processes with shifted clocks answer alike ---------------------------
@@ -142,14 +129,14 @@ def test_processes_with_shifted_clocks_answer_as_unshifted_ones(
                 # As an unshifted process: no refill in the seconds since, no hour
                 # gained or lost; the wait is the server's, under an hour.
                 for d in decisions:
-                    assert not d.allowed
-                    assert d.remaining == 0
-                    assert HOUR - 300 < d.retry_after <= HOUR
-                    assert 5 * HOUR - 300 < d.reset_after <= 5 * HOUR
+                    assert not d.allowed, f"shift {shift}: admitted with no refill"
+                    assert d.remaining == 0, f"shift {shift}: {d.remaining} left"
+                    assert HOUR - 300 < d.retry_after <= HOUR, f"shift {shift}: retry_after {d}"
+                    assert 5 * HOUR - 300 < d.reset_after <= 5 * HOUR, f"shift {shift}: {d}"
             first = False
     # The buckets' times are the server's: within a few minutes of its TIME.
     seconds, micros = redis_client.time()
     now = seconds * MICROS + micros
     for key in ("k1", "k2"):
         last = int(redis_client.get(f"bucketlimit:{{{key}}}:{key}").split()[1])  # type: ignore[union-attr]
-        assert now - 300 * MICROS < last <= now
+        assert now - 300 * MICROS < last <= now, f"{key} written at {last}, server time {now}"

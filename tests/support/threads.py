@@ -1,11 +1,14 @@
-"""Real threads for race tests: start together, report errors, and wait (bounded) for
-another thread to reach a state."""
+"""Real threads for race tests: start together, report errors, wait (bounded) for
+another thread to reach a state, and interrupt the main thread with a real SIGINT."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -42,3 +45,35 @@ def wait_until(condition: Callable[[], bool], what: str, seconds: float = 10.0) 
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting until {what}"
         time.sleep(0.001)
+
+
+@contextmanager
+def interrupting_main() -> Iterator[Callable[[], None]]:
+    """Entered in the main thread: ``interrupt()`` (called from another thread) raises
+    one KeyboardInterrupt in the main thread with a real SIGINT (``pthread_kill``),
+    sending it again until the main thread handled it. CPython runs a signal's handler
+    between bytecodes, so a SIGINT that lands just before the main thread blocks in a
+    wait (after its last check, before the system call) is handled only when that wait
+    ends: a test that sent one SIGINT waited out its 10 s timeouts about once in eight
+    runs on a loaded machine. Only the first SIGINT raises; the rest do nothing."""
+    raised = threading.Event()
+
+    def once(signum: int, frame: FrameType | None) -> None:
+        if not raised.is_set():
+            raised.set()
+            raise KeyboardInterrupt
+
+    def interrupt() -> None:
+        main = threading.main_thread().ident
+        assert main is not None
+        deadline = time.monotonic() + 10
+        while not raised.is_set():
+            assert time.monotonic() < deadline, "the main thread never handled a SIGINT"
+            signal.pthread_kill(main, signal.SIGINT)
+            raised.wait(0.05)
+
+    previous = signal.signal(signal.SIGINT, once)
+    try:
+        yield interrupt
+    finally:
+        signal.signal(signal.SIGINT, previous)
