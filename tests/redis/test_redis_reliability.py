@@ -421,3 +421,25 @@ def test_a_batch_in_a_migrating_slot_is_refused_once_then_split(
         # ASKING among pooled connections and bounce an allow sent alone up to 16
         # times before the driver follows the ASK itself: drivers.follow_asks.)
         assert refused <= 1 + len(keys), f"{refused} scripts refused for a batch of {len(keys)}"
+
+
+# -- a lease that takes what the bucket holds, part of a token left ---------------------------
+
+
+def test_a_lease_taken_from_a_bucket_holding_part_of_a_token_waits_no_time(
+    redis_client: redis.Redis,
+) -> None:
+    # Before: a lease granted by the waiting branch (the bucket held less than half
+    # of what the lease wanted) that left part of a token answered a negative delay,
+    # and allow() raised ValueError('retry_after must be >= 0 ... got -9e-06').
+    clock = ManualClock(1000.0)
+    options: dict[str, Any] = {"prefix": "partial:", "processes": 1}
+    plain = RedisTokenBucketLimiter(redis_client, 100, 10, clock, **options)
+    leasing = RedisTokenBucketLimiter(
+        redis_client, 100, 10, clock, lease=LeasePolicy(max_wait=0), **options
+    )
+    assert plain.allow("k", 97).remaining == 3
+    clock.advance(0.05)  # 3.5 tokens
+    answers = [leasing.allow("k") for _ in range(3)]
+    assert all(a.allowed and a.retry_after == 0.0 for a in answers), answers
+    leasing.close()

@@ -409,7 +409,8 @@ if want > 0 then
     if most >= cost then
       granted = min(want, most)
       balance, headroom = balance - granted * unit, 0
-      delay = ceil(-balance / rate)
+      -- No wait when what it took was there (part of a token may be left).
+      delay = balance < 0 and ceil(-balance / rate) or 0
     end
   end
   if granted == 0 then
