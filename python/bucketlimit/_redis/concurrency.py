@@ -54,6 +54,7 @@ from bucketlimit._redis.resilience import (
     check_retry_interval,
 )
 from bucketlimit._redis.script import ALLOW, Mode
+from bucketlimit._redis.timing import StoreTime, TimeSource, check_time_source
 from bucketlimit._stats import RedisConcurrencyStats
 
 if TYPE_CHECKING:
@@ -195,6 +196,7 @@ class PermitOptions(TypedDict, total=False):
     processes: SupportsIndex | None
     retry_interval: float
     engine: EngineName
+    time_source: TimeSource
 
 
 class RedisConcurrency(Generic[C]):
@@ -218,6 +220,7 @@ class RedisConcurrency(Generic[C]):
         processes: SupportsIndex | None = None,
         retry_interval: float = 1.0,
         engine: EngineName = "auto",
+        time_source: TimeSource = "auto",
     ) -> None:
         cluster = check_client(client, asyncio=self._asyncio, other=self._other)
         probe = _core_limiter(limit, ttl)
@@ -244,6 +247,7 @@ class RedisConcurrency(Generic[C]):
             name=f"{type(self).__name__}(prefix={prefix!r})",
             threaded=not self._asyncio,
             engine=Engine(check_engine(engine)),
+            timing=StoreTime(check_time_source(time_source)),
         )
         self._owned: LazyClient | None = None
 
@@ -273,6 +277,13 @@ class RedisConcurrency(Generic[C]):
     @property
     def limit(self) -> int:
         return self._state.limit
+
+    @property
+    def time_source(self) -> str:
+        """Where its calls take their time from now: ``"script"`` (the store's TIME,
+        read by each script), ``"store"`` or ``"client"`` (sent by each call:
+        docs/redis.md, "Managed stores and alternatives")."""
+        return self._state.time.source
 
     @property
     def engine(self) -> EngineName:

@@ -44,8 +44,12 @@ from bucketlimit._redis.errors import (
 )
 from bucketlimit._redis.flows import Command, Flow, Flowing, Local, Outcome, Wait
 from bucketlimit._redis.state import LimiterState, Store
+from bucketlimit._redis.timing import with_time
 
 T = TypeVar("T")
+
+#: The commands that run a script: their time may be the limiter's to send.
+SCRIPT_CALLS: Final = ("EVALSHA", "EVAL")
 
 logger = logging.getLogger("bucketlimit")
 
@@ -197,7 +201,13 @@ def send(state: Store, command: Command) -> Any:
             node = node_of(client, command)
             if node is not None:
                 call = getattr(client.get_redis_connection(node), command.name)
-        twin = module.twin(state, command.argv) if state.engine.module else None
+        argv = command.argv
+        if state.time.supplied and argv and argv[0] in SCRIPT_CALLS:
+            if state.time.stale():
+                before = time.monotonic_ns()
+                state.time.read(client.time(), before, time.monotonic_ns())
+            argv = with_time(argv, state.layout(argv[1]), state.time.micros())
+        twin = module.twin(state, argv) if state.engine.module else None
         waited = 0.0
         sent = time.perf_counter()
         try:
@@ -205,7 +215,7 @@ def send(state: Store, command: Command) -> Any:
                 try:
                     if twin is not None:
                         return module.parsed(call(*twin))
-                    return call(*command.argv)
+                    return call(*argv)
                 except MaxConnectionsError:
                     if waited >= POOL_WAIT:
                         raise
@@ -248,7 +258,13 @@ async def send_async(state: Store, command: Command) -> Any:
                 node = node_of(client, command)
             if node is not None:
                 call = node.execute_command
-        twin = module.twin(state, command.argv) if state.engine.module else None
+        argv = command.argv
+        if state.time.supplied and argv and argv[0] in SCRIPT_CALLS:
+            if state.time.stale():
+                before = time.monotonic_ns()
+                state.time.read(await client.time(), before, time.monotonic_ns())
+            argv = with_time(argv, state.layout(argv[1]), state.time.micros())
+        twin = module.twin(state, argv) if state.engine.module else None
         sent = time.perf_counter()
         try:
             if twin is not None:
@@ -256,7 +272,7 @@ async def send_async(state: Store, command: Command) -> Any:
                     return module.parsed(await _sent_on(client, command, call, twin))
                 except LibraryError as error:
                     without_module(state, twin, error)
-            return await _sent_on(client, command, call, command.argv)
+            return await _sent_on(client, command, call, argv)
         finally:
             state.round_trips.observe(time.perf_counter() - sent)
     finally:

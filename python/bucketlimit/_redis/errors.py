@@ -168,6 +168,8 @@ _CLUSTER_REPLIES: Final = ("MOVED ", "ASK ", "CROSSSLOT ")
 _TOO_OLD_REPLIES: Final = ("unknown command", "unknown subcommand")
 # An ACL forbidding a command or a key the script uses (Redis 7, Valkey).
 _SCRIPT_DENIED: Final = "The user executing the script can't"
+# A store that refuses a command inside scripts (ElastiCache Serverless: TIME).
+_NOT_FROM_SCRIPT: Final = "not allowed from script"
 # A store that runs no Lua: Valkey 9 with its Lua engine (a module) unloaded.
 _NO_SCRIPTING: Final = ("ERR Could not find scripting engine", "Could not find scripting engine")
 # What redis-py's cluster clients say, as a RedisClusterException, when no node
@@ -236,7 +238,7 @@ def classify(error: BaseException) -> str:
         # EVALSHA renamed away, or Redis < 5 refusing writes after TIME in a script.
         if reply.startswith(_TOO_OLD_REPLIES) or "non deterministic" in reply:
             return CONFIG
-        if reply.startswith(_SCRIPT_DENIED) or reply.startswith(_NO_SCRIPTING):
+        if reply.startswith((_SCRIPT_DENIED, *_NO_SCRIPTING)) or _NOT_FROM_SCRIPT in reply:
             return CONFIG  # an ACL forbids a command or key the script uses; no Lua
     return OTHER
 
@@ -244,10 +246,16 @@ def classify(error: BaseException) -> str:
 def configuration_error(error: BaseException) -> ConfigurationError:
     if isinstance(error, AuthenticationError):
         hint = "check the client's username and password"
-    elif isinstance(error, AuthorizationError) or str(error).startswith(_SCRIPT_DENIED):
+    elif (
+        isinstance(error, AuthorizationError)
+        or str(error).startswith(_SCRIPT_DENIED)
+        or _NOT_FROM_SCRIPT in str(error)
+    ):
         hint = (
             "the Redis user needs EVALSHA, EVAL and DEL, and within the script GET, SET, "
-            "PEXPIRE, PTTL, HGETALL, HSET, HDEL and TIME, on keys starting with the prefix"
+            "PEXPIRE, PTTL, HGETALL, HSET, HDEL and TIME, on keys starting with the prefix "
+            "(a store that refuses TIME to scripts: time_source='auto', the default, or "
+            "'store' or 'client' sends the time instead)"
         )
     elif isinstance(error, (*AskError, *ClusterCrossSlotError, *ClusterException)) or (
         isinstance(error, ResponseError) and str(error).startswith(_CLUSTER_REPLIES)

@@ -253,7 +253,7 @@ def ask(
     "How many processes").
     """
     sent = 0
-    redirected = False
+    redirected = timed = False
     while True:
         sent += 1
         try:
@@ -268,6 +268,13 @@ def ask(
             breaker.release(gate)
             raise Unanswered(None, sent - 1) from None
         except BaseException as raised:  # the call decides what a failure means
+            if not timed and isinstance(command, ScriptCommand) and state.time.refused(raised):
+                # TIME refused to scripts, read first: nothing ran. The same call
+                # goes once more, with the time the drivers now send.
+                timed = True
+                if not state.time.supplied:
+                    sent += yield from switched_time(state, raised)
+                continue
             again = resent(state, command, raised, redirected)
             if again is None:
                 raise failure(state, breaker, gate, raised, command, sent) from None
@@ -278,6 +285,22 @@ def ask(
     if state.processes.due():
         sent += yield from heartbeat(state)
     return reply, sent
+
+
+def switched_time(state: Store, why: BaseException) -> Flow[int]:
+    """The store refused TIME to a script (``why``): ``TIME`` is asked as a command,
+    and the limiter's calls send the store's time from now on, or this host's when
+    the store refuses that too (``timing.StoreTime.switch``). Answers the commands
+    sent."""
+    before = time.monotonic_ns()
+    try:
+        reply = yield Command("time", ())
+    except Exception as error:
+        if classify(error) != CONFIG:
+            raise
+        reply = None
+    state.time.switch(state.name, why, reply, before, time.monotonic_ns())
+    return 1
 
 
 def failure(
@@ -1133,6 +1156,7 @@ def check_store(state: Store, probe: ScriptCommand, *more: Command) -> Flow[None
     its processes counted from then on."""
     commands = [probe, Command("info", ("server",)), *more]
     sent = 0
+    timed = False
     try:
         while commands:
             command = commands.pop(0)
@@ -1147,6 +1171,13 @@ def check_store(state: Store, probe: ScriptCommand, *more: Command) -> Flow[None
             except NoPermissionError:
                 if command.name != "info":
                     raise
+            except ResponseError as error:
+                if timed or not isinstance(command, ScriptCommand) or not state.time.refused(error):
+                    raise
+                timed = True
+                if not state.time.supplied:
+                    sent += yield from switched_time(state, error)
+                commands.insert(0, command)  # again, with the time sent
             else:
                 if command.name == "info":
                     check_version(reply)

@@ -39,6 +39,7 @@ from bucketlimit._redis.resilience import (
 )
 from bucketlimit._redis.script import FRAGMENTS, LUA_EXACT, Script
 from bucketlimit._redis.state import LimiterState, default_prefix
+from bucketlimit._redis.timing import StoreTime, TimeSource, check_time_source
 from bucketlimit._stats import RedisLimiterStats
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class BucketOptions(TypedDict, total=False):
     batching: bool
     lease: bool | LeasePolicy
     engine: EngineName
+    time_source: TimeSource
 
 
 def check_client(client: object, *, asyncio: bool, other: str) -> bool:
@@ -132,6 +134,7 @@ class RedisLimiter(Generic[C]):
         batching: bool | None = None,
         lease: bool | LeasePolicy = False,
         engine: EngineName = "auto",
+        time_source: TimeSource = "auto",
     ) -> None:
         cluster = check_client(client, asyncio=self._asyncio, other=self._other)
         engine = check_engine(engine)
@@ -178,6 +181,7 @@ class RedisLimiter(Generic[C]):
             name=f"{type(self).__name__}(prefix={prefix!r})",
             leasing=policy is not None,
             engine=Engine(engine),
+            timing=StoreTime(check_time_source(time_source)),
         )
         self._batching = batching
         self._shared = self._shared_round_trips(self._state) if batching else None
@@ -282,6 +286,13 @@ class RedisLimiter(Generic[C]):
         """The lease policy (``lease=True``: the default one), or ``None`` without
         leasing (docs/redis.md, "Hot keys: leases")."""
         return None if self._leases is None else self._leases.policy
+
+    @property
+    def time_source(self) -> str:
+        """Where its calls take their time from now: ``"script"`` (the store's TIME,
+        read by each script), ``"store"`` or ``"client"`` (sent by each call:
+        docs/redis.md, "Managed stores and alternatives")."""
+        return self._state.time.source
 
     @property
     def engine(self) -> EngineName:

@@ -95,6 +95,7 @@ from bucketlimit._redis.script import (
     permit_keys,
 )
 from bucketlimit._redis.state import Breakers, Counters, StoreState
+from bucketlimit._redis.timing import StoreTime
 from bucketlimit._redis.wakeups import POLL_WITHOUT_WAKEUPS, WaitHandle, Wakeups
 
 logger = logging.getLogger("bucketlimit")
@@ -315,9 +316,11 @@ class PermitState(StoreState):
         name: str,
         threaded: bool,
         engine: Engine,
+        timing: StoreTime,
     ) -> None:
         self.source = client
         self.engine = engine
+        self.time = timing
         #: The client is a blocking one: waiters' wake-ups are heard by a thread.
         self.threaded = threaded
         self.client: Any = None if isinstance(client, LazyClient) else client

@@ -66,8 +66,12 @@ end
 --- heartbeat
 -- The live processes sharing a limiter (docs/design.md §6, "How many
 -- processes"): forget the expired, count this one, answer how many count.
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
+-- ARGV[3]: now in ms, sent where the store refuses TIME in scripts.
+local now = tonumber(ARGV[3])
+if now == nil then
+  local t = redis.call('TIME')
+  now = t[1] * 1000 + math.floor(t[2] / 1000)
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -720,10 +724,15 @@ permit = function(j)
     S.new[key] = true
     if on_given_clock then
       -- A clock given to the limiter may stand still or start again where it
-      -- was (a ManualClock): a counter the store lost restarts from the
-      -- server's time, which only grows, so no token is ever granted twice.
-      --> server time
-      S.last_token = max(S.last_token, server_now - 1)
+      -- was (a ManualClock): a counter the store lost restarts from the real
+      -- time, which only grows, so no token is ever granted twice: the floor
+      -- the call sends (a store that refuses TIME in scripts), else TIME.
+      local floor = tonumber(ARGV[a + 9])
+      if floor == nil then
+        --> server time
+        floor = server_now
+      end
+      S.last_token = max(S.last_token, floor - 1)
     end
   end
   if S.member == '' then

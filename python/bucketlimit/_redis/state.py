@@ -34,6 +34,7 @@ from bucketlimit._redis.resilience import (
     fork_safe,
 )
 from bucketlimit._redis.script import (
+    HEARTBEAT,
     MAX_DEBT_CAPACITIES,
     SERVER_TIME,
     Script,
@@ -42,6 +43,7 @@ from bucketlimit._redis.script import (
     limiter_script,
     max_debt_capacities,
 )
+from bucketlimit._redis.timing import StoreTime
 
 logger = logging.getLogger("bucketlimit")
 
@@ -208,6 +210,10 @@ class Store(Protocol):
     @property
     def flying(self) -> set[object]: ...
     @property
+    def time(self) -> StoreTime: ...
+
+    def layout(self, script: object) -> str: ...
+    @property
     def engine(self) -> Engine: ...
     @property
     def closed(self) -> bool: ...
@@ -254,6 +260,21 @@ class StoreState:
     #: the client, and after it nothing is sent (``drivers.send``).
     flying: set[object]
     closed: bool
+    #: Where its calls take their time from (``timing``).
+    time: StoreTime
+    #: The scripts it runs (its own, where it has one; the general one).
+    own: Script | None = None
+    script: Script
+
+    def layout(self, script: object) -> str:
+        """Which script ``script`` (an EVALSHA's SHA1 or an EVAL's source) is, as
+        ``timing.with_time`` reads its arguments."""
+        own = self.own
+        if own is not None and script in (own.sha, own.source):
+            return "limiter"
+        if script in (HEARTBEAT.sha, HEARTBEAT.source):
+            return "heartbeat"
+        return "general"
 
     def connect(self) -> Any:
         """The client, built now (once) if it is a ``LazyClient`` not built yet."""
@@ -354,6 +375,7 @@ class LimiterState(StoreState):
     """
 
     fallback: Fallback
+    own: Script
 
     def __init__(
         self,
@@ -373,9 +395,11 @@ class LimiterState(StoreState):
         refusal_cache: bool,
         name: str,
         engine: Engine,
+        timing: StoreTime,
         leasing: bool = False,
     ) -> None:
         self.source = client  # the client or a LazyClient
+        self.time = timing
         self.engine = engine
         self.client: Any = None if isinstance(client, LazyClient) else client
         self.cluster = cluster
