@@ -837,26 +837,6 @@ def combined_command(
     return ScriptCommand(script, keys, (len(order), mode.value, *args))
 
 
-def combine(decisions: Sequence[Decision]) -> Decision:
-    """``registry::combine`` of src/registry.rs: allowed if all are; ``retry_after``
-    the longest among the refusals; the rest from the one with the fewest
-    remaining (the first on a tie)."""
-    tightest = min(decisions, key=lambda d: d.remaining)
-    retry = 0.0
-    for d in decisions:
-        if not d.allowed:
-            retry = max(retry, d.retry_after)
-    allowed = all(d.allowed for d in decisions)
-    return Decision(
-        allowed,
-        retry,
-        tightest.remaining,
-        tightest.reset_after,
-        tightest.limit,
-        any(d.degraded for d in decisions),
-    )
-
-
 def combined_of(
     parts: Sequence[Part],
     permit_parts: Sequence[PermitPart],
@@ -898,7 +878,7 @@ def combined_of(
             if line:
                 lines[i] = (line[0], line[1], line[2])
     decisions += [held.decision for held in helds]
-    decision = combine(decisions)
+    decision = _core.combine(decisions)  # the rule of allow_all, written once
     if not (decision.allowed and all(held.member is not None for held in helds)):
         d = decision
         decision = Decision(False, d.retry_after, d.remaining, d.reset_after, d.limit)
