@@ -33,7 +33,7 @@ EXPECTED_BLOCKS: dict[str, int] = {
     "README.md": 10,
     "docs/benchmarks.md": 0,
     "docs/cli.md": 2,
-    "docs/design.md": 2,
+    "docs/design.md": 1,
     "docs/metrics.md": 3,
     "docs/migrating.md": 5,
     "docs/recipes/llm-gateway.md": 1,
