@@ -1,4 +1,4 @@
-"""Client instructions per Redis call, counted by callgrind (issue 20's cost measure).
+"""Client instructions per Redis call, counted by callgrind (the cost measure of docs/design.md §6).
 
     python -m benches.client_instructions [--small 2000] [--large 12000] [--what allow,...]
 

@@ -1,4 +1,4 @@
-"""Shared round trips on a Redis Cluster under faults (issue 19 D4, D5): what the
+"""Shared round trips on a Redis Cluster under faults: what the
 healthy keys pay while one primary hangs, and what a slot migration costs.
 
     python -m benches.cluster_faults            # from the repository root; about a minute

@@ -1,4 +1,4 @@
-"""Concurrency permits in process (issue 21): what a permit costs, next to the
+"""Concurrency permits in process: what a permit costs, next to the
 standard library's semaphores (not keyed) in the same run.
 
     python -m benches.concurrency [--rounds 7] [--pairs 200000]

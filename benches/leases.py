@@ -1,4 +1,4 @@
-"""Leases for hot keys (issue 22): what a leased ``allow()`` costs, and one key from 8 processes.
+"""Leases for hot keys: what a leased ``allow()`` costs, and one key from 8 processes.
 
     python -m benches.leases            # from the repository root; about a minute
     python -m benches.leases --quick    # a smoke run

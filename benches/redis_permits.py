@@ -1,4 +1,4 @@
-"""Concurrency permits on Redis (issue 21): what a permit costs the client and the
+"""Concurrency permits on Redis: what a permit costs the client and the
 server, and a combined rate + tokens + concurrency call next to the three done
 separately.
 

@@ -1,4 +1,4 @@
-"""Reservations on Redis: what ``reserve`` and ``acquire`` cost (issue 12).
+"""Reservations on Redis: what ``reserve`` and ``acquire`` cost.
 
     python -m benches.redis_reserve [--calls 20000] [--rounds 7]
 

@@ -1,4 +1,4 @@
-"""Redis at scale (issue 13): server time per decision, decisions/s from 1 and 4 processes.
+"""Redis at scale: server time per decision, decisions/s from 1 and 4 processes.
 
     python -m benches.redis_scale            # from the repository root; 3-5 minutes
     python -m benches.redis_scale --quick    # a smoke run, under a minute
@@ -29,7 +29,7 @@ when the crate builds here (benches/server_stats.py), and measures, in one run:
 5. ``study``: the design study of benches/script_study (the script's pieces and
    candidate variants; see its FINDINGS.md).
 
-"bucketlimit batched" is issue 13's shared round trips: in 1, ``allow_many`` of 1, 8
+"bucketlimit batched" is the shared round trips: in 1, ``allow_many`` of 1, 8
 and 64 decisions per script (µs per decision); in 3 and 4 the asyncio limiter
 with ``batching=True`` next to the same limiter with ``batching=False``. Each
 measurement is bounded in calls and seconds; every timing repeats, interleaved,
@@ -85,7 +85,7 @@ from bucketlimit.redis import AsyncRedisTokenBucketLimiter, RedisTokenBucketLimi
 
 TRIVIAL = "return 1"
 # Mostly allowed: peers.ALLOWED's burst of 10^9 is past the Redis limiter's exact
-# range since reservations (issue 12: a bucket may owe 1000 capacities, and
+# range since reservations (a bucket may owe 1000 capacities, and
 # 1001 * 10^9 tokens * 10^6 units is past 2^53): 10^6 tokens a key, never drained
 # by a run, for every library alike.
 ALLOWED = peers.Quota(capacity=10**6, rate=1, per=1)
@@ -735,7 +735,7 @@ DOCS_START, DOCS_END = "<!-- redis-scale: start -->", "<!-- redis-scale: end -->
 
 
 def goals(results: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """Issue 13's Redis goals this run measured: (PASS or MISS, goal, measured)."""
+    """The Redis goals this run measured: (PASS or MISS, goal, measured)."""
     out: list[tuple[str, str, str]] = []
 
     def verdict(ok: bool) -> str:
@@ -803,7 +803,7 @@ def docs_section(results: dict[str, Any]) -> str:
     return "\n".join(
         [
             DOCS_START,
-            "## Redis at scale (issue 13)",
+            "## Redis at scale",
             "",
             "Written by `python -m benches.redis_scale --docs docs/benchmarks.md` (`make bench`"
             " runs it after `benches/run.py`). Server time is `INFO commandstats` per command"

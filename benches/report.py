@@ -26,8 +26,7 @@ def _verdict(target: str, ok: bool, measured: str) -> dict[str, str]:
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, str]]:
-    """Every target of issues 6 and 13 that this run measured, with PASS or MISS
-    (issue 13 lowered the 10,000-key target from 2.0x to 1.8x)."""
+    """Every target this run measured, with PASS or MISS."""
     out = []
     inproc = results.get("inproc")
     if inproc:
@@ -209,7 +208,7 @@ def write_markdown(results: dict[str, Any], verdicts: list[dict[str, str]], path
         "",
         "![bucketlimit next to the PyO3 floor and the other limiters](benchmarks.png)",
         "",
-        "## Targets (issues 6 and 13, in process)",
+        "## Targets (in process)",
         "",
         "| | target | measured |",
         "| --- | --- | --- |",

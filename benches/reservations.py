@@ -1,4 +1,4 @@
-"""Reservations: what they cost and how well waiting wakes (issue 11).
+"""Reservations: what they cost and how well waiting wakes.
 
     python -m benches.reservations --before /path/to/site-packages-of-the-old-build
 

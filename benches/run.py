@@ -502,7 +502,7 @@ def main() -> None:
     env["load_after"] = tuple(round(x, 2) for x in os.getloadavg())
     env["seconds"] = time.monotonic() - started
     verdicts = report.targets(results)
-    print("\n== targets (issue 6)")
+    print("\n== targets")
     for v in verdicts:
         print(f"  {v['verdict']:4}  {v['target']}: {v['measured']}")
     print(f"\n  load average at the end {env['load_after']}; measured in {env['seconds']:.0f} s")

@@ -1010,8 +1010,8 @@ mod tests {
 
     #[test]
     fn the_sweep_keeps_pace_with_a_flood_of_new_keys() {
-        // Regression (issue 10): 1,000,000 new keys a simulated second, each full
-        // again a second later, left 1.94 M held. Here 20,000 a second for 5 s: at
+        // Two entries a call let 1,000,000 new keys a simulated second, each full
+        // again a second later, leave 1.94 M held. Here 20,000 a second for 5 s: at
         // any time about 20,000 are in use, and no more than a few percent beyond
         // that may be held.
         let r = registry(1, 1.0, None);

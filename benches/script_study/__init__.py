@@ -1,4 +1,4 @@
-"""Design study for a cheaper bucket.lua (issue 13, part 1): where the server's time goes.
+"""Design study for a cheaper bucket.lua: where the server's time goes.
 
     python -m benches.script_study          # from the repository root; about a minute
     python -m benches.script_study --quick

@@ -2,7 +2,7 @@
 -- arrival order, each exactly as bucket.lua's one-key allow on the server's clock
 -- would (the arithmetic of its one-key path, variant 1), all at one instant: the
 -- server's TIME is read once. The same key may come twice: the second sees the
--- first's write. The basis of issue 13's shared round trips.
+-- first's write. The basis of the shared round trips (python/bucketlimit/_redis/batching.py).
 --
 -- KEYS     the buckets, one per decision, in arrival order
 -- ARGV[i]  the cost of decision i in tokens (absent: 1)

@@ -484,8 +484,8 @@ def test_backwards_clock_gives_no_refill() -> None:
 
 # -- Decision built by hand -------------------------------------------------------
 #
-# Regression (issue 10, item 7): Decision(True, 0.0, -1, 0.0, 10) raised PyO3's
-# OverflowError; every field is now checked like any other input.
+# Decision(True, 0.0, -1, 0.0, 10) must not surface as PyO3's OverflowError:
+# every field is checked like any other input.
 
 GOOD_DECISION = (True, 0.0, 3, 1.5, 10, False)
 

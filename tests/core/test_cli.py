@@ -284,7 +284,7 @@ def test_bad_commands_give_one_line_and_status_2(args: list[str]) -> None:
 
 
 def test_no_command_prints_the_usage_and_the_commands() -> None:
-    """Issue 23: ``bucketlimit`` alone printed one error line and no usage."""
+    """``bucketlimit`` alone prints the usage and the commands, not one error line."""
     result = run_cli()
     assert (result.returncode, result.stdout) == (2, "")
     lines = result.stderr.splitlines()
@@ -338,7 +338,7 @@ def closed_pipe_run(*args: str) -> subprocess.CompletedProcess[str]:
     ],
 )
 def test_a_reader_that_leaves_early_gets_no_traceback(extra: list[str]) -> None:
-    """Issue 23: ``simulate ... | head`` ended in a BrokenPipeError traceback."""
+    """``simulate ... | head`` ends quietly, without a BrokenPipeError traceback."""
     result = closed_pipe_run("simulate", *simulate_args(pattern="burst"), *extra)
     assert (result.returncode, result.stderr) == (1, "")
 
@@ -411,7 +411,7 @@ def test_replay_counts_runs_and_instants() -> None:
 
 
 def test_simulate_acquire_paces_the_same_traffic(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 11: --acquire admits what it would refuse, after a wait, within the bound."""
+    """--acquire admits what it would refuse, after a wait, within the bound."""
     args = ["simulate", "--capacity", "10", "--rate", "5", "--pattern", "burst"]
     assert main([*args, "--duration", "10", "--acquire", "--ascii"]) == 0
     out = capsys.readouterr().out

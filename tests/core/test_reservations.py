@@ -457,8 +457,8 @@ def test_settle_with_bad_used_changes_nothing(used: Any, error: type[Exception])
 
 
 def test_a_rejected_settle_changes_nothing_and_leaves_the_reservation_usable() -> None:
-    # Issue 19 D8: settle(cost + 2**64) raised but used the reservation up, so a
-    # later settle(0) or cancel() gave nothing back.
+    # A settle(cost + 2**64) that raises must not use the reservation up: a later
+    # settle(0) or cancel() still gives the tokens back.
     limiter = TokenBucketLimiter(10, 1, clock=ManualClock())
     held = limiter.reserve("k", 2)
     with pytest.raises(ValueError, match=r"at most 2\*\*64 - 1"):

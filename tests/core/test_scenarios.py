@@ -1,4 +1,4 @@
-"""The contract's scenarios (issue 2, docs/design.md §1-2) on a hand-stepped clock."""
+"""The contract's scenarios (docs/design.md §1-2) on a hand-stepped clock."""
 
 from __future__ import annotations
 

@@ -418,8 +418,8 @@ def plotted(settings: Settings) -> tuple[Figure, Replay]:
 
 
 def test_replay_plot_names_the_files_costs_and_bars_count_tokens(tmp_path: Path) -> None:
-    """Issue 23: the replay plot's title said "cost 1" for a file of costs 1-5,
-    and its bars counted requests where the bucket meters cost."""
+    """The replay plot's title names the file's costs (not "cost 1" for costs
+    1-5), and its bars count tokens, as the bucket meters cost."""
     log = tmp_path / "costs.csv"
     log.write_text("".join(f"{i / 4},k,{1 + i % 5}\n" for i in range(40)), encoding="utf-8")
     settings = Settings(10, 2, 1, 1, None, None, replay=log)
@@ -455,8 +455,8 @@ def test_a_replay_of_one_cost_says_that_cost(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("shared", "compare"), [(False, None), (False, "fixed-window")])
 def test_plot_legends_stand_beside_the_lines(shared: bool, compare: str | None) -> None:
-    """Issue 23: the many-clients plot's legend covered its lines. Every legend
-    now stands right of its panel, inside the picture."""
+    """A legend never covers its lines: every legend stands right of its panel,
+    inside the picture."""
     settings = Settings(10, 2, 1, 1, "burst", 30, clients=8, shared=shared, compare=compare)
     drawing, _ = plotted(settings)
     panels = drawing.axes
@@ -488,7 +488,7 @@ def test_a_shared_bucket_is_one_line_without_a_legend() -> None:
 
 
 def test_each_simulator_module_imports_only_those_listed_before_it() -> None:
-    """Issue 20: one concern a file, in the order ``bucketlimit/_simulate/__init__.py``
+    """One concern a file, in the order ``bucketlimit/_simulate/__init__.py``
     lists them; a module importing a later one would tie the concerns in a knot."""
     folder = Path(package.__file__).parent
     order = re.findall(r"^- ``(\w+)``:", package.__doc__ or "", re.MULTILINE)

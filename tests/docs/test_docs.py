@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Python blocks per file, Redis ones included; a new doc or block changes this.
 EXPECTED_BLOCKS: dict[str, int] = {
-    "README.md": 10,
+    "README.md": 9,
     "docs/benchmarks.md": 0,
     "docs/cli.md": 2,
-    "docs/design.md": 2,
+    "docs/design.md": 1,
     "docs/metrics.md": 3,
     "docs/migrating.md": 5,
     "docs/recipes/llm-gateway.md": 1,

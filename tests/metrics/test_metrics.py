@@ -214,8 +214,8 @@ def test_every_metric_reads_a_key_some_limiters_stats_has() -> None:
 
 
 def test_the_outcomes_of_decisions_add_up() -> None:
-    """Issue 23: ``outcome="degraded"`` overlapped allowed and refused, so a
-    ``sum()`` over the outcomes counted degraded decisions twice."""
+    """The outcomes are allowed and refused only: a ``degraded`` outcome would
+    overlap them, and a ``sum()`` over the outcomes would count it twice."""
     outcomes = [m.labels["outcome"] for m in METRICS if m.name == "decisions"]
     assert outcomes == ["allowed", "refused"]
     degraded = [m for m in METRICS if m.stat == "fallback_decisions"]

@@ -1,8 +1,8 @@
 """Metrics behind a pre-fork server: examples/metrics_app.py under a real
 ``gunicorn --workers 4`` with one ``/metrics`` port, scraped over real HTTP.
 
-Issue 23: each scrape showed the one worker that answered it. With
-``register_prometheus_multiprocess`` every scrape shows the sum of the workers,
+Without ``register_prometheus_multiprocess`` each scrape would show the one worker
+that answered it; with it every scrape shows the sum of the workers,
 which is what the clients were answered; a worker that exits keeps its counts.
 """
 

@@ -36,7 +36,7 @@ def dry_run(*args: str) -> list[str]:
 
 @pytest.mark.parametrize("target", ["install", "build"])
 def test_no_stray_rm_without_stale_extensions(target: str) -> None:
-    """Issue 23: the README's first command printed a bare ``rm -f``."""
+    """The README's first command prints no bare ``rm -f`` when nothing is stale."""
     lines = dry_run(target, "STALE_EXTENSIONS=")
     assert not [line for line in lines if line.startswith("rm")], lines
     stale = "python/bucketlimit/_core.cpython-311-x86_64-linux-gnu.so"
@@ -90,8 +90,8 @@ def test_readme_counts_the_tests_that_wait_for_make_wheel(tmp_path: Path) -> Non
 
 
 def test_classifiers_name_the_versions_the_suite_runs_on() -> None:
-    """Issue 23 said the classifiers stop at 3.13: so do the tested versions, and the
-    classifiers list exactly those (tests/packaging/pythons.py), without make wheel."""
+    """The classifiers list exactly the versions the suite runs on
+    (tests/packaging/pythons.py), checked without make wheel."""
     tomllib = pytest.importorskip("tomllib")  # 3.11+; tests/packaging runs on the venv's
     from scripts.ci_pythons import DEFAULT_VERSIONS
     from tests.packaging.pythons import VERSIONS

@@ -40,7 +40,7 @@ Row = list[Any]
 
 @dataclass(frozen=True)
 class Shape:
-    """The sizes of one run. The defaults are the issue's: a provider of 60,000
+    """The sizes of one run. The defaults are the recipe's: a provider of 60,000
     tokens a minute and 6 compute slots; per user 40 requests and 9,000 tokens a
     minute and 2 generations at once, 48,000 tokens a minute for the organisation;
     6 interactive users and 2 batch jobs of 6 threads for 40 s."""

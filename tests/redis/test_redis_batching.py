@@ -459,7 +459,7 @@ def test_a_batch_whose_reply_is_lost_is_never_resent(
     redis_server_factory: ServerFactory, retry_interval: float
 ) -> None:
     # Rate 0, 100 tokens: the bucket at the server says how many allows ran there.
-    # With the breaker on (issue 19 D7), the allows queued behind the lone call that
+    # With the breaker on, the allows queued behind the lone call that
     # timed out are not sent at all: its breaker opened while they waited.
     server = redis_server_factory.start()
     admin = server.client()

@@ -1,9 +1,8 @@
-"""Issue 19: defaults a user relies on without reading, and defects under faults, each
-against real servers; each test fails without its fix (the issue's figures in its
-comment). A1 (every configuration in the script's range, each with its own debt
-bound) is in test_redis_limiter.py; D3 (a waiter that disconnects) in
-tests/web/test_disconnect.py; D7 (a queued batch whose breaker opened) in
-test_redis_batching.py; D8 for the core in tests/core/test_reservations.py."""
+"""Defaults a user relies on without reading, and behaviour under faults, each
+against real servers. Every configuration in the script's range (each with its own
+debt bound) is in test_redis_limiter.py; a waiter that disconnects in
+tests/web/test_disconnect.py; a queued batch whose breaker opened in
+test_redis_batching.py; a rejected settle in the core in tests/core/test_reservations.py."""
 
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ def balance(client: redis.Redis, limiter: Any, key: str) -> int | None:
     return None if value is None else int(value.split()[0]) // 1_000_000
 
 
-# -- A2: a store that is down is loud, and the local share follows the processes -------
+# -- a store that is down is loud, and the local share follows the processes -------
 
 LOUD = r"""
 import sys, time
@@ -233,7 +232,7 @@ def test_a_store_refusing_the_heartbeat_says_so_once(
     client.close()
 
 
-# -- A3: limiters never share a bucket by accident -------------------------------------
+# -- limiters never share a bucket by accident -------------------------------------
 
 
 def test_two_limits_without_a_prefix_never_read_each_others_buckets(
@@ -267,7 +266,7 @@ def test_an_explicit_prefix_keeps_one_bucket_across_limits(redis_client: redis.R
     assert first.redis_key("k") == second.redis_key("k")  # docs/redis.md: what that does
 
 
-# -- D1: from_url builds its client once, whatever the threads ------------------------
+# -- from_url builds its client once, whatever the threads ------------------------
 
 
 @pytest.mark.timeout(60)
@@ -307,7 +306,7 @@ def test_many_threads_making_the_first_calls_build_one_client(redis_url: str) ->
             limiter.close()
 
 
-# -- D2: what an outage took is given back where it was taken -------------------------
+# -- what an outage took is given back where it was taken -------------------------
 
 
 class Unplugged(redis.Redis):
@@ -389,7 +388,7 @@ def dead_client() -> Any:
     client.close()
 
 
-# -- D4: shared round trips never wait for a node they do not need ---------------------
+# -- shared round trips never wait for a node they do not need ---------------------
 
 
 def keys_by_node(cluster: Any, limiter: Any, count: int) -> dict[int, list[str]]:
@@ -479,7 +478,7 @@ def test_a_hung_node_holds_no_other_nodes_calls_group_commit(
     assert not any(a.degraded for a in answers)
 
 
-# -- D5: a batch in a slot being migrated is answered as if each allow went alone ------
+# -- a batch in a slot being migrated is answered as if each allow went alone ------
 
 
 @pytest.mark.timeout(120)
@@ -610,7 +609,7 @@ def test_an_allow_of_a_migrated_key_is_answered_though_the_client_loses_its_aski
     assert degraded == 0
 
 
-# -- D6: an interruption of the thread that sends a shared round trip is its own -------
+# -- an interruption of the thread that sends a shared round trip is its own -------
 
 
 class HoldingClient(redis.Redis):
@@ -714,7 +713,7 @@ def test_the_senders_interruption_is_its_own(redis_server: RedisServer) -> None:
     client.close()
 
 
-# -- D8 on Redis: a rejected settle changes nothing ---------------------------------
+# -- on Redis: a rejected settle changes nothing ---------------------------------
 
 
 def test_a_rejected_settle_leaves_the_reservation_usable(redis_client: redis.Redis) -> None:
@@ -730,7 +729,7 @@ def test_a_rejected_settle_leaves_the_reservation_usable(redis_client: redis.Red
         limiter.charge("k", 2**64)  # before: "exceeds capacity 18446744073709551615"
 
 
-# -- issue 20: the breaker_open gauge on a cluster reads every node's breaker ----------
+# -- the breaker_open gauge on a cluster reads every node's breaker ----------
 
 
 @pytest.mark.timeout(60)

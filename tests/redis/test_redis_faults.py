@@ -1,4 +1,4 @@
-"""Redis limiters against real, misbehaving servers (docs/design.md §6, issue 4).
+"""Redis limiters against real, misbehaving servers (docs/design.md §6).
 
 Every server is a real redis-server started for the test (``redis_server_factory``);
 hung with SIGSTOP, killed with SIGKILL, restarted empty, made busy, read-only or

@@ -1,4 +1,4 @@
-"""fork() while other threads are inside a Redis limiter (issue 10 item 5).
+"""fork() while other threads are inside a Redis limiter.
 
 A lock held by another thread when a process forks stays held for ever in the
 child, where that thread does not exist. Before the fix, 15 of 300 children hung on

@@ -1,4 +1,4 @@
-"""Leases across real processes (issue 22's tests; docs/redis.md, "Hot keys: leases").
+"""Leases across real processes (docs/redis.md, "Hot keys: leases").
 
 Processes (tests/support/processes.py) hammer one key of a real redis-server (and of
 a 3-node cluster) through leasing limiters on the server's clock, each released by

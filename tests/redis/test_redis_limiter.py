@@ -221,9 +221,8 @@ def test_bad_configuration(redis_client: redis.Redis) -> None:
 
 
 def test_beyond_lua_doubles_is_rejected_at_construction(redis_client: redis.Redis) -> None:
-    """capacity * unit + p must stay below 2**53: Lua computes in doubles (the range
-    before reservations, again: issue 19 A1). How much a bucket may owe then
-    depends on the configuration (``max_debt``)."""
+    """capacity * unit + p must stay below 2**53: Lua computes in doubles. How much
+    a bucket may owe then depends on the configuration (``max_debt``)."""
     # Rate 1: one token is 10**6 units and one µs refills 1 unit.
     largest = (2**53 - 1 - 1) // MICROS
     with pytest.raises(ValueError, match=r"2\*\*53"):
@@ -241,7 +240,7 @@ def test_beyond_lua_doubles_is_rejected_at_construction(redis_client: redis.Redi
 @pytest.mark.parametrize(
     ("capacity", "rate", "per", "max_debt"),
     [
-        # Refused with the thousandfold debt bound for all (issue 19 A1), accepted again:
+        # Accepted, each with the debt bound its range allows:
         (1_000_000, 1_000_000, 30 * 86400, 26 * 1_000_000),  # a monthly LLM token quota
         (10_000_000, 10_000_000, 86400, 32 * 10_000_000),
         (10**9, 1000, 1, 8 * 10**9),  # the "always allowed" quota

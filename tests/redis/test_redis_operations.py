@@ -1,4 +1,4 @@
-"""Redis limiters under what an operator does to a store (issue 10, docs/design.md §6).
+"""Redis limiters under what an operator does to a store (docs/design.md §6).
 
 Real servers built by the tests: a whole Redis Cluster stopped or hung, one of its
 nodes killed, a primary demoted to a replica (READONLY), a connection pool too
@@ -101,7 +101,7 @@ class Tally:
         return self.store_admitted + self.degraded + len(self.errors)
 
 
-# -- issue 10 item 1: a whole cluster unreachable is an outage, not a mistake --------
+# -- a whole cluster unreachable is an outage, not a mistake --------
 
 CAPACITY = 100_000  # rate 0: every admission stays charged in Redis, to be counted
 OUTAGE = 0.6  # seconds: longer than retry_interval, so that probes fail too
@@ -145,7 +145,8 @@ def test_a_whole_cluster_down_or_hung_goes_to_the_policy(
             cluster.stop()
         else:
             cluster.pause()
-        # A limiter built during the outage starts (issue 10 item 4) and answers too.
+        # A limiter built during the outage starts (nothing is sent at construction)
+        # and answers too.
         late = RedisTokenBucketLimiter.from_url(
             cluster.url,
             CAPACITY,
@@ -287,7 +288,7 @@ def test_an_async_limiter_with_a_whole_cluster_down_or_hung(
         assert_charged_once(charged(cluster, key, CAPACITY), before, after, stats)
 
 
-# -- issue 10 item 4: from_url(cluster=True) sends nothing at construction -------------
+# -- from_url(cluster=True) sends nothing at construction -------------
 
 
 def test_from_url_cluster_connects_on_first_use() -> None:
@@ -386,7 +387,7 @@ def test_one_nodes_outage_degrades_only_its_keys_async(
     assert stats["breaker_openings"] == 1, "not one outage, of one node"
 
 
-# -- issue 10 item 2: a full connection pool is not an outage ----------------------------
+# -- a full connection pool is not an outage ----------------------------
 
 BURST = 150  # tasks at once: more than redis-py's pool of 100
 
@@ -492,7 +493,7 @@ def test_an_exhausted_blocking_pool_of_your_own_is_not_an_outage(redis_url: str)
     client.close()
 
 
-# -- issue 10 item 8: READONLY keeps the store failing until a write succeeds -----------
+# -- READONLY keeps the store failing until a write succeeds -----------
 
 
 def test_a_demoted_primary_is_one_outage_not_a_flapping_breaker(
@@ -535,7 +536,7 @@ def test_a_demoted_primary_is_one_outage_not_a_flapping_breaker(
     assert [r.levelno for r in ours] == [logging.WARNING, logging.INFO]
 
 
-# -- issue 10 item 6: a key is its content ------------------------------------------------
+# -- a key is its content ------------------------------------------------
 
 
 class TenantId(str):
@@ -577,7 +578,7 @@ def test_a_hash_tag_of_a_str_subclass_is_its_content(redis_client: redis.Redis) 
     assert redis_client.keys("*") == [b"t:{acme}:acme/alice"]
 
 
-# -- issue 10, the operator limit: the asyncio degraded path yields to the loop -----------
+# -- the asyncio degraded path yields to the loop -----------
 
 
 @pytest.mark.parametrize("path", ["breaker open", "refusal cache"])
@@ -633,7 +634,7 @@ def test_an_async_answer_without_io_still_lets_the_loop_run(redis_url: str, path
     assert ticks >= calls // 2, f"another task ran {ticks} times during {calls} answers"
 
 
-# -- issue 10 item 3: the asyncio cluster client during a slot migration ------------------
+# -- the asyncio cluster client during a slot migration ------------------
 
 MIGRATIONS = 4  # back and forth, of one slot under load
 

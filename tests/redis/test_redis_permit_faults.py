@@ -1,5 +1,5 @@
 """RedisConcurrencyLimiter and AsyncRedisConcurrencyLimiter against real servers that
-fail (issue 21, "Store faults"; the token buckets' own are in test_redis_faults.py).
+fail (the token buckets' own are in test_redis_faults.py).
 
 Each policy with the server stopped, the breaker and its probe, replies lost after
 the script ran (tests/support/tcp_proxy.py drops them) and a restart without

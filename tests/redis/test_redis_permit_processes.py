@@ -1,9 +1,9 @@
 """Concurrency permits across processes on one Redis (docs/design.md §6, "Concurrency
-permits"; issue 21): the bound under load, a holder killed, FIFO across
+permits"): the bound under load, a holder killed, FIFO across
 processes, and what waiting costs the store.
 
 Real processes (tests/support/processes.py), each with its own client and limiter.
-Bounded in count; no assertion on time but the correctness the issue states (a
+Bounded in count; no assertion on time but the correctness the contract states (a
 killed holder's slots come back, never before its ttl). How fast (acquisitions a
 second; how long after the ttl a dead holder's slots come back) is
 benches/scenario_figures.py's.

@@ -540,7 +540,7 @@ def test_the_debt_bound_follows_the_configuration(redis_client: redis.Redis) -> 
     limiter = RedisTokenBucketLimiter(redis_client, largest, 1, clock, prefix=fresh())
     local = TokenBucketLimiter(largest, 1, clock)
     assert limiter.max_debt == bucketlimit.MAX_DEBT_CAPACITIES * largest
-    # One more token of capacity: accepted (issue 19 A1), owing one capacity less.
+    # One more token of capacity: accepted, owing one capacity less.
     beyond = RedisTokenBucketLimiter(redis_client, largest + 1, 1, prefix=fresh())
     assert beyond.max_debt == (bucketlimit.MAX_DEBT_CAPACITIES - 1) * (largest + 1)
     # Deepest debt, exact to the unit.

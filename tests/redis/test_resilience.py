@@ -305,14 +305,14 @@ def chained(error: BaseException, cause: BaseException) -> BaseException:
             redis.exceptions.RedisClusterException("Cluster mode is not enabled on this node"),
             CONFIG,
         ),
-        # Issue 10: no cluster node answers, or the nodes reached do not cover the slots.
+        # No cluster node answers, or the nodes reached do not cover the slots.
         (chained(redis.exceptions.RedisClusterException("no node"), redis.TimeoutError()), FAULT),
         (redis.exceptions.RedisClusterException("Redis Cluster cannot be connected. ..."), FAULT),
         (redis.exceptions.RedisClusterException("All slots are not covered after ..."), FAULT),
-        # Issue 10: this process's connection pool is full; the store is fine.
+        # This process's connection pool is full; the store is fine.
         (redis.exceptions.MaxConnectionsError("Too many connections"), EXHAUSTED),
         (redis.ConnectionError("No connection available."), EXHAUSTED),
-        # Issue 10 item 3: redis-py's asyncio cluster client during a slot migration.
+        # redis-py's asyncio cluster client during a slot migration.
         (redis.exceptions.ClusterError("TTL exhausted."), REDIRECTED),
         (redis.exceptions.ClusterDownError("CLUSTERDOWN The cluster is down"), FAULT),
         (raised_in("redis.asyncio.connection", AttributeError("'NoneType' ...")), FAULT),
@@ -384,7 +384,7 @@ def test_failure_settings_are_checked_like_the_core(dead: redis.Redis) -> None:
 def test_a_misspelt_policy_is_refused_by_the_type_checker_and_at_run_time(
     dead: redis.Redis,
 ) -> None:
-    # Issue 15: on_store_error is a Literal. mypy --strict (make lint) reports an
+    # on_store_error is a Literal. mypy --strict (make lint) reports an
     # unused "type: ignore" if "locl" ever type-checks again.
     with pytest.raises(ValueError, match="on_store_error must be one of"):
         RedisTokenBucketLimiter(dead, 10, 1, on_store_error="locl")  # type: ignore[arg-type]

@@ -79,7 +79,7 @@ def _sender(plan: Plan, http: httpx.Client) -> Any:
     import openai
 
     # The SDK takes an httpx.Client as well as its own httpx2.Client (its types say
-    # only the latter): the http_client=httpx.Client(transport=...).
+    # only the latter): http_client=httpx.Client(transport=...), as docs/upstream.md says.
     sdk = openai.OpenAI(api_key="sk-test", base_url=f"{plan.url}/v1", http_client=http)  # type: ignore[arg-type]
 
     def create(body: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ it; ``max_wait`` threads served in turn), FastAPI with ``AsyncRedisConcurrencyLi
 (its coroutines and its permits' awaited release; a hang-up mid-stream and while
 waiting). The adapters use only the limiters' public methods, so these are the
 in-process tests' twins on the store. They need ``bucketlimit.redis``'s concurrency
-limiters (issue 21's Redis part)."""
+limiters."""
 
 # No `from __future__ import annotations`: FastAPI must see the annotations of routes
 # defined inside tests.

@@ -1,4 +1,4 @@
-"""``concurrency=`` under real servers over real sockets (issue 21): 10 slow streamed
+"""``concurrency=`` under real servers over real sockets: 10 slow streamed
 responses on limit 3 under uvicorn (FastAPI) and gunicorn (Flask, threaded workers);
 the in-flight count measured on the server side, by a counter each body raises and
 lowers (tests/web/servers/concurrency_app.py); the 4th request refused, or queued

@@ -1,4 +1,4 @@
-"""One real server per adapter with the peers' conventions (issue 23): Flask and
+"""One real server per adapter with the peers' conventions: Flask and
 Django under gunicorn, FastAPI and Litestar under uvicorn, real HTTP clients
 (httpx, and the openai SDK). Limit strings, the three header profiles (each
 structured field read with http-sf), on_refusal, exempt."""

@@ -1,5 +1,5 @@
 """A client that disconnects while its request waits for tokens gives them back
-(issue 19 D3), under real uvicorn with a real client (a raw socket that sends a
+under real uvicorn with a real client (a raw socket that sends a
 request and hangs up), through the middleware and through FastAPI's dependency,
 in process and on the asyncio Redis limiter.
 

@@ -660,7 +660,7 @@ async def test_the_example_app(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_problem(refused.json(), 403, "requests", None)
 
 
-# -- waiting for tokens (issue 11) ------------------------------------------------------------
+# -- waiting for tokens ------------------------------------------------------------------------
 
 
 async def test_max_wait_makes_a_request_wait_for_its_tokens(manual_clock: ManualClock) -> None:

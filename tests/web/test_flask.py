@@ -467,7 +467,7 @@ def test_the_example_app(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_problem(refused.get_json(), 403, "requests", None)
 
 
-# -- waiting for tokens (issue 11) ----------------------------------------------
+# -- waiting for tokens -----------------------------------------------------------
 
 
 def test_max_wait_makes_a_request_wait_for_its_tokens(manual_clock: ManualClock) -> None:

@@ -282,7 +282,7 @@ def test_reserve_then_settle_refunds_the_unused_part_once() -> None:
 
 
 def test_settle_charges_the_overage() -> None:
-    """Issue 11: the use happened, so settle charges what ran over the estimate."""
+    """The use happened, so settle charges what ran over the estimate."""
     limiter = TokenBucketLimiter(100, 0)
     held = reserve(limiter, "u", 10)
     assert held.settle(25) == 0

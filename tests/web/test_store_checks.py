@@ -194,8 +194,8 @@ def dead_url() -> str:
 
 @pytest.mark.redis
 def test_a_route_limit_string_on_a_dead_store_fails_instead_of_admitting(dead_url: str) -> None:
-    """The issue's case: ``Depends(Limit("5/minute", storage=dead))`` admitted 20 of 400
-    under 4 workers; now every request fails as the peers' do, until the store answers."""
+    """``Depends(Limit("5/minute", storage=dead))`` must not let each of 4 workers admit
+    on its own: every request fails, as the peers' do, until the store answers."""
     limit = bl_fastapi.Limit("5/minute", storage=dead_url)
     assert fastapi_statuses(fastapi_route(limit), 8, limit) == [500] * 8, "nobody admitted"
     lenient = bl_fastapi.Limit("5/minute", storage=dead_url, check_store=False)

@@ -11,18 +11,18 @@ by one. So the one blocking driver and the one asyncio driver send flights as th
 send any flow.
 
 - Flights are per node (the breaker of the bucket's node: one for a standalone
-  store), so an allow never waits for a node it does not need (issue 19 D4).
+  store), so an allow never waits for a node it does not need.
 - A batch that gets TRYAGAIN or ASK (a slot being migrated) or a second
   redirection storm is split: each allow leaves the flight and is sent alone by
   its own caller (side by side: each thread or task sends its own), answered as
-  if it had never waited (issue 19 D5). So is an allow whose bucket has leases
+  if it had never waited (nothing of the batch ran). So is an allow whose bucket has leases
   out, which a batch does not read: it goes alone with the bucket's lease hash
   (docs/design.md §6, "Hot keys: leases").
 - Before a batch goes, its breaker is asked again: opened meanwhile, nothing is
-  sent and each allow gets the policy's answer (issue 19 D7).
+  sent and each allow gets the policy's answer.
 - An interruption of the thread that sends (KeyboardInterrupt) is that thread's:
   the other allows of the round trip get the policy's answer for a lost reply,
-  never the interruption (issue 19 D6).
+  never the interruption.
 """
 
 from __future__ import annotations

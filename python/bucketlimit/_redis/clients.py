@@ -189,8 +189,8 @@ class LazyClient:
     every Redis limiter accepts as its ``client``. redis-py's sync ``RedisCluster``
     asks a node for the slot map in its constructor, and nothing may be sent at a
     limiter's construction (docs/design.md §6). Many limiters may share one; many
-    threads asking at once get the one client (issue 19 D1: each used to build its
-    own on the one pool, and the losers' ``close()`` cut the winner's connections)."""
+    threads asking at once get the one client (were each to build its own on the
+    one pool, the losers' ``close()`` would cut the winner's connections)."""
 
     __slots__ = ("__weakref__", "_build", "_client", "_lock", "asyncio", "cluster", "url")
 

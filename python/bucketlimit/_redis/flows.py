@@ -666,7 +666,7 @@ def give_back(
     again (it may have run); the store keeps those tokens spent. ``degraded``: the
     tokens were taken by an answer given without the store, so they go back where
     its policy took them (this process's share under ``"local"``, else nowhere) and
-    never to the store, which never had them (issue 19 D2)."""
+    never to the store, which never had them."""
     if degraded:
         state.fallback.refund(key, cost)
         return
@@ -836,7 +836,7 @@ class Reserved:
     waits in (``None`` where it does not), and where its tokens were taken: from
     the store (``stored``), in process under ``on_store_error="local"`` (``local``,
     the core's reservation made instead), or nowhere (``"open"``): its give-backs
-    and charges go there and nowhere else (issue 19 D2)."""
+    and charges go there and nowhere else."""
 
     __slots__ = ("decision", "delay", "lines", "local", "stored")
 

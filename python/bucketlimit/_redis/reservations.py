@@ -5,7 +5,7 @@
 What a reservation holds and what its ``cancel``, ``settle`` and ``wait`` do is
 written once in :class:`ReservationState`; the two classes drive its flows with
 the blocking driver or with ``await``. Its give-backs and charges go where its
-tokens were taken (issue 19 D2): to the store's buckets, to this process's share
+tokens were taken: to the store's buckets, to this process's share
 (a reservation made in process under ``on_store_error="local"``), or nowhere (one
 granted under ``"open"``, which took nothing).
 """

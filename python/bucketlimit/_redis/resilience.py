@@ -321,7 +321,7 @@ class Breaker:
             skipped, self._skipped = self._skipped, 0
         # INFO where the application configured logging; where it configured none,
         # a WARNING, which logging's last resort writes to stderr, as it wrote the
-        # outage's start: an outage's end is never silent either (issue 19 A2).
+        # outage's start: an outage's end is never silent either.
         logger.log(
             logging.INFO if logger.hasHandlers() else logging.WARNING,
             "%s: the store answers again after %.1f s; %d calls were answered without it",

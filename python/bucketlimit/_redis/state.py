@@ -351,7 +351,7 @@ class StoreState:
 
     def degraded(self, why: BaseException | None, *, logged: bool) -> None:
         """An answer given without the store (``degraded=True``): counted. Never
-        silent (issue 19 A2): an outage's start is logged by its breaker, with this
+        silent: an outage's start is logged by its breaker, with this
         process's share (``logged``); the first degraded answer for another reason
         (a full pool, a redirection storm, a corrupt key) is logged here, once per
         limiter."""

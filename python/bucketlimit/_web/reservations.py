@@ -205,7 +205,7 @@ class AsyncReservation(_ReservationBase[AnyLimiter]):
 
 
 def refund(limiter: Any, key: str, tokens: int, decision: Decision | None) -> Any:
-    """A reservation's tokens given back where they were taken (issue 19 D2): a
+    """A reservation's tokens given back where they were taken: a
     degraded answer's were not taken from the store, so they go to the limiter's
     ``refund(..., degraded=True)`` (the Redis limiters': this process's share under
     ``"local"``, else nowhere); a limiter of your own without that keyword keeps
