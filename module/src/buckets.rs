@@ -1,4 +1,4 @@
-//! The token-bucket commands: `bucket.lua`'s modes on the core's arithmetic
+//! The token-bucket commands: `scripts.lua`'s modes on the core's arithmetic
 //! (`bucketlimit::bucket`), over the same stored values (docs/design.md §6).
 //!
 //! Each call reads every bucket it names before it writes any, so a call over

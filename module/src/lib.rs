@@ -1,6 +1,6 @@
 //! bucketlimit's token buckets and permits as a Redis/Valkey module: the same
 //! core (`bucketlimit::bucket`) as the Python extension, on the values
-//! `bucket.lua` stores, so either may serve a key (docs/redis.md, "The
+//! `scripts.lua` stores, so either may serve a key (docs/redis.md, "The
 //! module"; the commands and their replies are tabled there).
 //!
 //! Every command names its keys in its key spec (a key, or several each
@@ -30,7 +30,7 @@ use crate::permits::{PermitArgs, PermitOp};
 use crate::reply::Reply;
 use crate::server::Server;
 
-/// The shortest TTL, in ms, a bucket's key gets (`bucket.lua`'s `MIN_TTL_MS`):
+/// The shortest TTL, in ms, a bucket's key gets (`scripts.lua`'s `MIN_TTL_MS`):
 /// config `bucketlimit.min-ttl-ms`. Tests that hold an injected clock still
 /// while real time runs raise it, so that keys outlive the pause.
 static MIN_TTL_MS: AtomicI64 = AtomicI64::new(1);

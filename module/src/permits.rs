@@ -1,4 +1,4 @@
-//! Concurrency permits (docs/design.md §4 "Permits", §6): `bucket.lua`'s
+//! Concurrency permits (docs/design.md §4 "Permits", §6): `scripts.lua`'s
 //! permit modes, on the same keys and values, so either may serve a key.
 //!
 //! A permit key is a hash: fields `t` (the last token), `s` (the last arrival),

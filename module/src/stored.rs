@@ -1,4 +1,4 @@
-//! The values the module reads and writes, exactly as `bucket.lua` stores them
+//! The values the module reads and writes, exactly as `scripts.lua` stores them
 //! (docs/design.md §6): a fleet may run either on the same keys.
 //!
 //! A bucket is the string `"B L"`, `"B L H"` or `"B L H C X"`: its balance `B`

@@ -486,7 +486,7 @@ def valkey_server_factory(
     factory.stop_all()
 
 
-#: The module's smallest TTL of a bucket's key, in ms (bucket.lua's MIN_TTL_MS).
+#: The module's smallest TTL of a bucket's key, in ms (scripts.lua's MIN_TTL_MS).
 MODULE_MIN_TTL = "bucketlimit.min-ttl-ms"
 
 
