@@ -287,6 +287,28 @@ def ask(
     return reply, sent
 
 
+def guarded(
+    state: Store, breaker: Breaker, command: Command, *, wrote: bool | Callable[[Any], bool]
+) -> Flow[tuple[Any, int]]:
+    """:func:`ask` inside the breaker's bracket, the one way a call goes to the
+    store: skipped while the breaker skips the store (:class:`Unanswered`, nothing
+    sent); an answer to a probe closes it (``wrote``: whether the answer is a write,
+    or how to tell from the reply, as :func:`spent`; after ``READONLY`` only a write
+    closes it). The reply and the commands sent."""
+    gate = breaker.admit()
+    if gate is SKIP:
+        raise Unanswered(None, 0)
+    reply, sent = yield from ask(state, breaker, gate, command)
+    if gate is not STORE or breaker.open:
+        breaker.succeeded(gate, wrote=wrote(reply) if callable(wrote) else wrote)
+    return reply, sent
+
+
+def spent(reply: Any) -> bool:
+    """Whether a decision's reply (``{retry_after_us, ...}``) spent: an allow."""
+    return bool(reply[0] == 0)
+
+
 def switched_time(state: Store, why: BaseException) -> Flow[int]:
     """The store refused TIME to a script (``why``): ``TIME`` is asked as a command,
     and the limiter's calls send the store's time from now on, or this host's when
@@ -677,12 +699,9 @@ def give_back(
     if state.refusals is not None:
         state.refusals.drop(bucket)  # this process gives tokens back
     breaker = state.breaker(bucket)
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
         command = ScriptCommand(state.own, state.bucket_keys(bucket), args)
-        _, sent = yield from ask(state, breaker, gate, command)
+        _, sent = yield from guarded(state, breaker, command, wrote=True)
     except Unanswered as failure:
         lost(state, [(key, cost)], failure.error)
         not_given_back(state, failure, breaker, raises=state.policy == RAISE)
@@ -691,7 +710,6 @@ def give_back(
     except Corrupt as failure:
         not_given_back(state, failure, breaker, raises=state.policy == RAISE)
         return
-    answered(breaker, gate, wrote=True)
     state.counters.add(sent)
 
 
@@ -720,15 +738,13 @@ def reset(state: LimiterState, key: str) -> Flow[None]:
     if state.refusals is not None:
         state.refusals.drop(bucket)
     breaker = state.breaker(bucket)
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
-        _, sent = yield from ask(state, breaker, gate, Command("delete", (bucket,), [bucket]))
+        _, sent = yield from guarded(
+            state, breaker, Command("delete", (bucket,), [bucket]), wrote=True
+        )
     except Unanswered as failure:
         not_given_back(state, failure, breaker, raises=state.policy == RAISE)
         return  # lost for the store; the local bucket is full already
-    answered(breaker, gate, wrote=True)
     state.counters.add(sent)
 
 
@@ -805,12 +821,9 @@ def one_bucket(
     bucket's refusal. ``wrote``: whether an answer is a write (after ``READONLY``
     only a write closes the breaker)."""
     breaker = state.breaker(bucket)
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
         command = ScriptCommand(state.own, state.bucket_keys(bucket), args)
-        reply, sent = yield from ask(state, breaker, gate, command)
+        reply, sent = yield from guarded(state, breaker, command, wrote=wrote)
     except Unanswered as failure:
         unanswered(state, failure, breaker)
         state.counters.add(failure.sent)
@@ -819,7 +832,6 @@ def one_bucket(
         decision = corrupt(state, failure, breaker)
         state.counters.add(failure.sent)
         return decision
-    answered(breaker, gate, wrote=wrote)
     state.counters.add(sent)
     return state.decision(reply)
 
@@ -908,12 +920,9 @@ def reserve(
                 state.counters.add(0, False)
                 return cached
     breaker = state.breaker(bucket)
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
         command = ScriptCommand(state.own, state.bucket_keys(bucket), args)
-        reply, sent = yield from ask(state, breaker, gate, command)
+        reply, sent = yield from guarded(state, breaker, command, wrote=spent)
     except Unanswered as failure:
         unanswered(state, failure, breaker)
         reserved = reserved_without_store([(state, key, cost)], wait)
@@ -924,7 +933,6 @@ def reserve(
         state.counters.add(failure.sent, False)
         return Reserved(refusal, refusal.retry_after, [None])
     reserved = reserved_of(state, reply, 1)
-    answered(breaker, gate, wrote=reserved.decision.allowed)
     if refusals is not None:
         if not reserved.decision.allowed:
             # Remembered as the allow it implies: this cost waits `delay`.
@@ -1040,11 +1048,8 @@ def allow_all(parts: Sequence[Part]) -> Flow[Decision]:
     first = parts[0][0]
     command = general(parts, ALLOW, [NO_MORE] * len(parts))
     breaker = first.breaker(command.keys[0])
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
-        reply, sent = yield from ask(first, breaker, gate, command)
+        reply, sent = yield from guarded(first, breaker, command, wrote=spent)
     except Unanswered as failure:
         unanswered(first, failure, breaker, raises=raises(parts))
         decision = allowed_without_store(parts)
@@ -1055,7 +1060,6 @@ def allow_all(parts: Sequence[Part]) -> Flow[Decision]:
         count_all(parts, failure.sent, False)
         return decision
     decision = first.decision(reply)
-    answered(breaker, gate, wrote=decision.allowed)
     count_all(parts, sent, decision.allowed)
     return decision
 
@@ -1092,11 +1096,8 @@ def reserve_all(parts: Sequence[Part], max_wait: int | None) -> Flow[Reserved]:
     more = [(NONE if max_wait is None else max_wait, NONE, NONE, NONE)] * len(parts)
     command = general(parts, RESERVE, more)
     breaker = first.breaker(command.keys[0])
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
-        reply, sent = yield from ask(first, breaker, gate, command)
+        reply, sent = yield from guarded(first, breaker, command, wrote=spent)
     except Unanswered as failure:
         unanswered(first, failure, breaker, raises=raises(parts))
         reserved = reserved_without_store(parts, max_wait)
@@ -1107,7 +1108,6 @@ def reserve_all(parts: Sequence[Part], max_wait: int | None) -> Flow[Reserved]:
         count_all(parts, failure.sent, False)
         return Reserved(refusal, refusal.retry_after, [None] * len(parts))
     reserved = reserved_of(first, reply, len(parts))
-    answered(breaker, gate, wrote=reserved.decision.allowed)
     count_all(parts, sent, reserved.decision.allowed)
     return reserved
 
@@ -1123,18 +1123,14 @@ def change_all(parts: Sequence[Part], mode: Mode, more: Sequence[tuple[Any, ...]
             if state.refusals is not None:
                 state.refusals.drop(state.keys.bucket(key))
     breaker = first.breaker(command.keys[0])
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
-        _, sent = yield from ask(first, breaker, gate, command)
+        _, sent = yield from guarded(first, breaker, command, wrote=True)
     except (Unanswered, Corrupt) as failure:
         if mode is REFUND:
             for state, key, cost in parts:
                 lost(state, [(key, cost)], failure.error)
         not_given_back(first, failure, breaker, raises=raises(parts))
         return
-    answered(breaker, gate, wrote=True)
     count_all(parts, sent, None)
 
 

@@ -38,7 +38,7 @@ from bucketlimit import _core
 from bucketlimit._core import Decision
 from bucketlimit._redis import flows
 from bucketlimit._redis.flows import Corrupt, Flow, ScriptCommand, Unanswered
-from bucketlimit._redis.resilience import SKIP, fork_safe
+from bucketlimit._redis.resilience import fork_safe
 from bucketlimit._redis.script import LEASE, lease_hash
 from bucketlimit._redis.state import Counters, LimiterState
 
@@ -265,13 +265,10 @@ def renew(
         leases.max_wait,
     )
     breaker = state.breaker(bucket)
-    gate = breaker.admit()
     renewed = False
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
         command = ScriptCommand(state.own, [bucket, lease_hash(bucket)], args)
-        reply, sent = yield from flows.ask(state, breaker, gate, command)
+        reply, sent = yield from flows.guarded(state, breaker, command, wrote=True)
         renewed = True
     except Unanswered as failure:
         state.counters.leased(failure.sent, expired=unused)
@@ -290,7 +287,6 @@ def renew(
     finally:
         if not renewed:
             ledger.end(key)
-    flows.answered(breaker, gate, wrote=True)
     try:
         decision = renewed_lease(state, leases, key, bucket, cost, reply, sent_at, unused, started)
     except BaseException:  # a reply not of this script's shape: the key is free again
@@ -355,12 +351,9 @@ def give_back(state: LimiterState, leases: LeaseState, key: str, unused: int) ->
     bucket = state.keys.bucket(key)
     args = (1, LEASE.value, state.now(), 0, leases.name(state), leases.period, unused, 0)
     breaker = state.breaker(bucket)
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
         command = ScriptCommand(state.own, [bucket, lease_hash(bucket)], args)
-        reply, sent = yield from flows.ask(state, breaker, gate, command)
+        reply, sent = yield from flows.guarded(state, breaker, command, wrote=True)
     except (Unanswered, Corrupt) as failure:
         state.counters.leased(failure.sent, expired=unused)
         flows.lost(state, [(key, unused)], failure.error)
@@ -368,7 +361,6 @@ def give_back(state: LimiterState, leases: LeaseState, key: str, unused: int) ->
         return
     finally:
         leases.ledger.end(key)
-    flows.answered(breaker, gate, wrote=True)
     returned = reply[5]
     state.counters.leased(sent, returned=returned, expired=unused - returned)
     state.counters.add(sent)

@@ -52,13 +52,13 @@ from bucketlimit._redis.flows import (
     ScriptCommand,
     Unanswered,
     Wait,
-    answered,
-    ask,
     change_all,
     check_store,
     check_wait,
     general,
     give_back,
+    guarded,
+    lost,
     refuse,
     unanswered,
 )
@@ -69,7 +69,6 @@ from bucketlimit._redis.resilience import (
     LOCAL,
     OPEN,
     RAISE,
-    SKIP,
     Breaker,
     Policy,
     Processes,
@@ -456,11 +455,8 @@ def take(state: PermitState, key: str) -> Flow[Held]:
     queue."""
     pkey = state.key(key)
     breaker = state.breaker(pkey)
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
-        reply, sent = yield from ask(state, breaker, gate, state.command(TAKE, pkey))
+        reply, sent = yield from guarded(state, breaker, state.command(TAKE, pkey), wrote=True)
     except Unanswered as failure:
         unanswered(state, failure, breaker)
         held = state.fallback.take(key)
@@ -470,7 +466,6 @@ def take(state: PermitState, key: str) -> Flow[Held]:
         held = corrupt(state, failure, breaker, key)
         state.counters.add(failure.sent, False)
         return held
-    answered(breaker, gate, wrote=True)
     held = state.held(key, reply)
     state.counters.add(sent, held.granted)
     return held
@@ -519,12 +514,9 @@ def queued(
     """:func:`acquire` once its waiter is registered: take or queue, then wait."""
     name = waiting.name
     breaker = state.breaker(pkey)
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
-        reply, sent = yield from ask(state, breaker, gate, state.command(QUEUE, pkey, name=name))
-        answered(breaker, gate, wrote=True)
+        command = state.command(QUEUE, pkey, name=name)
+        reply, sent = yield from guarded(state, breaker, command, wrote=True)
         if int(reply[0]) == QUEUED:
             held, more = yield from wait_for(state, key, pkey, waiting, int(reply[4]), deadline)
             sent += more
@@ -626,12 +618,8 @@ def ask_about(
     """One permit-alone command through the breaker: its reply and the commands sent;
     a store failure raises ``Unanswered`` (or ``Corrupt``)."""
     breaker = state.breaker(pkey)
-    gate = breaker.admit()
-    if gate is SKIP:
-        raise Unanswered(None, 0)
     command = state.command(mode, pkey, member=member, name=name, extra=extra)
-    reply, sent = yield from ask(state, breaker, gate, command)
-    answered(breaker, gate, wrote=mode is not VALID)
+    reply, sent = yield from guarded(state, breaker, command, wrote=mode is not VALID)
     return reply, sent
 
 
@@ -933,11 +921,7 @@ def combined_call(
     command = combined_command(parts, more, permit_parts, order, mode, members, names)
     first = store_of(parts, permit_parts)
     breaker = first.breaker(command.keys[0])
-    gate = breaker.admit()
-    if gate is SKIP:
-        raise Unanswered(None, 0)
-    reply, sent = yield from ask(first, breaker, gate, command)
-    answered(breaker, gate, wrote=True)
+    reply, sent = yield from guarded(first, breaker, command, wrote=True)
     return combined_of(parts, permit_parts, order, reply, before), sent
 
 
@@ -1161,30 +1145,17 @@ def give_back_all(
     command = combined_command(parts, more, permit_parts, order, REFUND, list(members), names)
     first = store_of(parts, permit_parts)
     breaker = first.breaker(command.keys[0])
-    gate = breaker.admit()
     try:
-        if gate is SKIP:
-            raise Unanswered(None, 0)
-        reply, sent = yield from ask(first, breaker, gate, command)
+        reply, sent = yield from guarded(first, breaker, command, wrote=True)
     except (Unanswered, Corrupt) as failure:
         first.counters.add(failure.sent)
-        why = "the store is skipped" if failure.error is None else repr(failure.error)
         for state, key, cost in parts:
-            state.counters.event("lost_refunds")
-            logger.warning(
-                "%s: a give-back of %d tokens to key %r did not reach the store (%s); "
-                "its bucket keeps them spent",
-                state.name,
-                cost,
-                key,
-                why,
-            )
+            lost(state, [(key, cost)], failure.error)
         for (pstate, key), member in zip(permit_parts, members, strict=True):
             lost_release(pstate, Held(key, pstate.fallback.open, member=member), failure)
         if raises(parts, permit_parts):
             refuse(failure, breaker)
         return
-    answered(breaker, gate, wrote=True)
     first.counters.add(sent)
     for (pstate, _), answer in zip(permit_parts, reply[6] or [], strict=False):
         if int(answer[0]):
