@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Any, SupportsIndex
 
 from bucketlimit import _checks, _core
 from bucketlimit._core import Decision
-from bucketlimit._redis import concurrency, drivers, flows, leases
+from bucketlimit._redis import buckets, concurrency, drivers, flows, leases
 from bucketlimit._redis.batching import Batcher, GroupCommit, allow_many, allow_many_async
+from bucketlimit._redis.buckets import Part, Reserved
 from bucketlimit._redis.clients import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_TIMEOUT,
@@ -59,7 +60,6 @@ from bucketlimit._redis.errors import (
     ExactRangeError,
     StoreUnavailableError,
 )
-from bucketlimit._redis.flows import Part, Reserved
 from bucketlimit._redis.leases import LeasePolicy
 from bucketlimit._redis.limiter import RedisLimiter, state_of
 from bucketlimit._redis.module import module_path
@@ -162,7 +162,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
             return run(self._lease_allow(key, cost), self._state)
         if self._shared is not None:
             return self._shared.allow(key, cost)  # type: ignore[no-any-return]
-        return drivers.allow(self._state, key, cost)
+        return drivers.run_flowing(buckets.Allow(self._state, key, cost), self._state)  # type: ignore[no-any-return]
 
     def allow_many(self, requests: Iterable[tuple[str, SupportsIndex]]) -> list[Decision]:
         """``allow`` of every ``(key, cost)`` pair, in order, sharing round trips: one
@@ -178,7 +178,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         leased = None if self._leases is None else self._leases.ledger.peek(key, cost)
         if leased is not None:
             return leased
-        return run(flows.decide(self._state, key, cost, peek=True), self._state)
+        return run(buckets.decide(self._state, key, cost, peek=True), self._state)
 
     def refund(self, key: str, cost: SupportsIndex, *, degraded: bool = False) -> None:
         """Gives back ``cost`` tokens reserved but not used; never above capacity.
@@ -186,12 +186,12 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         without the store), so they go back where the failure policy took them,
         this process's share under ``"local"``, and nowhere else: the store never had
         them, and giving them to it would admit more than the limit."""
-        flow = flows.give_back(self._state, key, self._state.cost(cost), degraded=_flag(degraded))
+        flow = buckets.give_back(self._state, key, self._state.cost(cost), degraded=_flag(degraded))
         run(flow, self._state)
 
     def reset(self, key: str) -> None:
         """Makes the key's bucket full again (deletes it)."""
-        run(flows.reset(self._state, key), self._state)
+        run(buckets.reset(self._state, key), self._state)
 
     def reserve(
         self, key: str, cost: SupportsIndex = 1, *, max_wait: float | None = None
@@ -205,7 +205,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
 
     def _reserve(self, key: str, cost: object, wait: object, name: str) -> RedisReservation:
         cost = self._state.cost(cost)
-        reserved = run(flows.reserve(self._state, key, cost, wait, name), self._state)
+        reserved = run(buckets.reserve(self._state, key, cost, wait, name), self._state)
         return RedisReservation([(self, key, cost)], [(self._state, key, cost)], reserved)
 
     def acquire(
@@ -232,7 +232,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
     def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """Records use that already happened: any cost >= 1, debt allowed down to
         :attr:`max_debt`, where it stops."""
-        return run(flows.charge(self._state, key, cost), self._state)
+        return run(buckets.charge(self._state, key, cost), self._state)
 
     def observe(
         self,
@@ -248,7 +248,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         holds at most what the upstream reported, never more than it did (``at``: a
         reading of the limiter's clock, ``time.monotonic()`` for the store's own).
         Without the store the report is not applied: the policy answers."""
-        flow = flows.observe(self._state, key, remaining, limit, reset_after, retry_after, at)
+        flow = buckets.observe(self._state, key, remaining, limit, reset_after, retry_after, at)
         return run(flow, self._state)
 
     def check(self) -> None:
@@ -259,7 +259,7 @@ class RedisTokenBucketLimiter(RedisLimiter[SyncClient]):
         client's error when the store cannot be reached: ``on_store_error`` does not
         apply. Call it at start-up to fail early; the limiter never calls it.
         """
-        run(flows.check(self._state), self._state)
+        run(buckets.check(self._state), self._state)
 
     def close(self) -> None:
         """Gives back the leases this limiter holds (``lease``: one round trip a key),
@@ -313,7 +313,7 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
             return decision
         if self._shared is not None:
             return await self._shared.allow(key, cost)  # type: ignore[no-any-return]
-        return await drivers.allow_async(self._state, key, cost)
+        return await drivers.run_flowing_async(buckets.Allow(self._state, key, cost), self._state)  # type: ignore[no-any-return]
 
     async def allow_many(self, requests: Iterable[tuple[str, SupportsIndex]]) -> list[Decision]:
         """:meth:`RedisTokenBucketLimiter.allow_many`, awaited (the nodes of a cluster
@@ -326,16 +326,16 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         if leased is not None:
             await asyncio.sleep(0)  # no I/O, still a yield
             return leased
-        return await run_async(flows.decide(self._state, key, cost, peek=True), self._state)
+        return await run_async(buckets.decide(self._state, key, cost, peek=True), self._state)
 
     async def refund(self, key: str, cost: SupportsIndex, *, degraded: bool = False) -> None:
         """:meth:`RedisTokenBucketLimiter.refund`, awaited."""
-        flow = flows.give_back(self._state, key, self._state.cost(cost), degraded=_flag(degraded))
+        flow = buckets.give_back(self._state, key, self._state.cost(cost), degraded=_flag(degraded))
         await run_async(flow, self._state)
 
     async def reset(self, key: str) -> None:
         """:meth:`RedisTokenBucketLimiter.reset`, awaited."""
-        await run_async(flows.reset(self._state, key), self._state)
+        await run_async(buckets.reset(self._state, key), self._state)
 
     async def reserve(
         self, key: str, cost: SupportsIndex = 1, *, max_wait: float | None = None
@@ -349,7 +349,7 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         self, key: str, cost: object, wait: object, name: str
     ) -> AsyncRedisReservation:
         cost = self._state.cost(cost)
-        flow = flows.reserve(self._state, key, cost, wait, name)
+        flow = buckets.reserve(self._state, key, cost, wait, name)
         return await _shielded(flow, [(self, key, cost)], [(self._state, key, cost)])
 
     async def acquire(
@@ -364,7 +364,7 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
 
     async def charge(self, key: str, cost: SupportsIndex) -> Decision:
         """:meth:`RedisTokenBucketLimiter.charge`, awaited."""
-        return await run_async(flows.charge(self._state, key, cost), self._state)
+        return await run_async(buckets.charge(self._state, key, cost), self._state)
 
     async def observe(
         self,
@@ -377,12 +377,12 @@ class AsyncRedisTokenBucketLimiter(RedisLimiter[AsyncClient]):
         at: float | None = None,
     ) -> Decision:
         """:meth:`RedisTokenBucketLimiter.observe`, awaited."""
-        flow = flows.observe(self._state, key, remaining, limit, reset_after, retry_after, at)
+        flow = buckets.observe(self._state, key, remaining, limit, reset_after, retry_after, at)
         return await run_async(flow, self._state)
 
     async def check(self) -> None:
         """:meth:`RedisTokenBucketLimiter.check`, awaited."""
-        await run_async(flows.check(self._state), self._state)
+        await run_async(buckets.check(self._state), self._state)
 
     async def aclose(self) -> None:
         """Gives back the leases this limiter holds (``lease``: one round trip a key),
@@ -484,7 +484,7 @@ def allow_all(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Any
         return concurrency.allow_all(_SYNC, checks, cost, ALLOW, None)
     named, parts = _parts(checks, cost, "allow_all")
     _kind(named, RedisTokenBucketLimiter, "allow_all")
-    return run(flows.allow_all(parts), parts[0][0])
+    return run(buckets.allow_all(parts), parts[0][0])
 
 
 async def allow_all_async(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Any:
@@ -495,7 +495,7 @@ async def allow_all_async(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex
         return await concurrency.allow_all_async(_ASYNC, checks, cost, ALLOW, None)
     named, parts = _parts(checks, cost, "allow_all_async")
     _kind(named, AsyncRedisTokenBucketLimiter, "allow_all_async")
-    return await run_async(flows.allow_all(parts), parts[0][0])
+    return await run_async(buckets.allow_all(parts), parts[0][0])
 
 
 def reserve_all(
@@ -516,7 +516,7 @@ def reserve_all(
     wait = flows.check_wait(max_wait, _name)
     named, parts = _parts(checks, cost, "reserve_all")
     _kind(named, RedisTokenBucketLimiter, "reserve_all")
-    reserved = run(flows.reserve_all(parts, wait), parts[0][0])
+    reserved = run(buckets.reserve_all(parts, wait), parts[0][0])
     return RedisReservation(named, parts, reserved)
 
 
@@ -536,7 +536,7 @@ async def reserve_all_async(
     wait = flows.check_wait(max_wait, _name)
     named, parts = _parts(checks, cost, "reserve_all")
     _kind(named, AsyncRedisTokenBucketLimiter, "reserve_all_async")
-    return await _shielded(flows.reserve_all(parts, wait), named, parts)
+    return await _shielded(buckets.reserve_all(parts, wait), named, parts)
 
 
 def acquire_all(

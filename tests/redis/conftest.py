@@ -27,7 +27,13 @@ LUA_ONLY = {
     "test_a_grant_whose_reply_is_lost_expires_by_its_ttl": _COUNTS_SCRIPTS,
     "test_a_release_whose_reply_is_lost_frees_once": _COUNTS_SCRIPTS,
     "test_a_combined_acquire_is_one_evalsha": _COUNTS_SCRIPTS,
-    "test_leases_take_twenty_times_fewer_commands_at_the_same_admitted_rate": _COUNTS_SCRIPTS,
+    "test_leases_take_twenty_times_fewer_commands_for_the_same_calls": _COUNTS_SCRIPTS,
+    "test_a_probe_after_the_retry_interval_closes_the_breaker": _COUNTS_SCRIPTS,
+    "test_a_queued_waiter_whose_reply_is_lost_is_handed_a_slot_that_expires": _COUNTS_SCRIPTS,
+    # The audit of every key the scripts' own commands touch (MONITOR).
+    "test_every_key_a_script_touches_is_declared_in_its_keys": (
+        "audits the commands a script runs inside; a module command declares its keys itself"
+    ),
     # The NOSCRIPT reload (script_loads).
     "test_a_restart_without_persistence_costs_one_fresh_burst": _COUNTS_SCRIPTS,
     "test_a_restart_loses_the_permits_and_their_holders_are_told": _COUNTS_SCRIPTS,
@@ -40,6 +46,12 @@ LUA_ONLY = {
     # The scripts' own configuration errors.
     "test_credentials_and_acls_are_configuration_errors": "the ACL names the scripts' commands",
     "test_a_server_without_scripting_is_a_configuration_error": "scripting switched off",
+    "test_a_store_without_lua_is_a_configuration_error_under_every_policy": (
+        "the module serves a store without Lua: no script runs"
+    ),
+    # TIME refused in scripts: the module reads the server's clock itself, never by TIME.
+    "test_a_store_refusing_time_is_served_with_the_time_sent": "the module never calls TIME",
+    "test_permits_and_reservations_work_without_time": "the module never calls TIME",
     # Differences by design.
     "test_a_corrupt_value_is_never_an_allow": (
         "a balance past 2**53 is a bucket to the module (the core's range), corrupt to Lua"

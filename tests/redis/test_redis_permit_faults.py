@@ -134,7 +134,7 @@ def test_open_closed_and_raise_hold_nothing(
     """ "open" grants past the limit, "closed" refuses, at once, holding nothing;
     "raise" raises the client's error, then the breaker's StoreUnavailableError (a
     ConnectionError too). The store's permit cannot be checked; its release is lost,
-    counted, and raised only under "raise", as permits.release documents (the slot
+    counted, and raised only under "raise", as permit_flows.release documents (the slot
     frees by its ttl), and it counts as released for its holder all the same."""
     clock = ManualClock()
     limiter, stored = stopped(redis_server_factory, policy, clock)

@@ -1,6 +1,6 @@
-"""The common allow (``flows.Allow``: an int cost, the breaker closed, no refusal
+"""The common allow (``buckets.Allow``: an int cost, the breaker closed, no refusal
 remembered, no heartbeat due) is answered without a flow's generators; everything
-else goes through ``flows.decide``. These tests hold the two routes equal on a real
+else goes through ``buckets.decide``. These tests hold the two routes equal on a real
 server, through the public API: the same trace is sent twice, on two prefixes, once
 with plain ``int`` costs (the common allow) and once with costs that are
 ``__index__`` objects (which only the general route takes), and every answer, every

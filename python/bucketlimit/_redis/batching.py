@@ -2,7 +2,7 @@
 
 An allow asked while another of the same node's round trips is in flight waits,
 and the waiting allows go together in the next one (group commit). Each allow is
-its own ``flows.Allow``, waiting on its command; a *flight* (:func:`flight`) is a
+its own ``buckets.Allow``, waiting on its command; a *flight* (:func:`flight`) is a
 flow over all of them: it puts the commands that may share a round trip (one-key
 allows of the limiter's own script, of one hash slot and one ``now``, 256 at most)
 into one batch of that script, feeds each allow its part of the reply (or the error,
@@ -34,6 +34,7 @@ from typing import Any, Final, SupportsIndex
 
 from bucketlimit._core import Decision
 from bucketlimit._redis import flows
+from bucketlimit._redis.buckets import Allow
 from bucketlimit._redis.drivers import answer, drive, drive_async, run, run_async
 from bucketlimit._redis.errors import (
     REDIRECTED,
@@ -45,7 +46,7 @@ from bucketlimit._redis.errors import (
     classify,
     leased_bucket,
 )
-from bucketlimit._redis.flows import Allow, BatchCommand, Command, Flow, Flowing, Outcome
+from bucketlimit._redis.flows import BatchCommand, Command, Flow, Flowing, Outcome
 from bucketlimit._redis.keys import key_slot
 from bucketlimit._redis.resilience import Breaker, fork_safe
 from bucketlimit._redis.script import MANY, NONE

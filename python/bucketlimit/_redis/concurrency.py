@@ -4,20 +4,16 @@ the public classes, re-exported by ``bucketlimit.redis``.
 :class:`RedisConcurrencyLimiter` and :class:`AsyncRedisConcurrencyLimiter` answer
 as :class:`bucketlimit.ConcurrencyLimiter` does, for every process using the same
 keys and prefix, on the server's clock; their permits are :class:`RedisPermit`
-and :class:`AsyncRedisPermit`. Every operation is a flow of
-``bucketlimit._redis.permits``; the classes drive it in one line a method, with
-a blocking call or with ``await``. A waiting flow also yields ``Sleep`` steps,
-which the drivers here wait out on the waiter's wake-ups
-(``bucketlimit._redis.wakeups``) or on the limiter's clock, and ``Local`` steps
-(a policy's answer that waits in process).
+and :class:`AsyncRedisPermit` (``permit_flows``). Every operation is a flow of
+``permit_flows`` or ``combined``; the classes drive it in one line a method,
+with a blocking call or with ``await`` (``drivers``, which also wait out a
+waiting flow's ``Wait`` steps and run its ``Local`` ones).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from types import TracebackType
+from collections.abc import Callable
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -32,20 +28,23 @@ from typing import (
 
 from bucketlimit import _core
 from bucketlimit._histogram import Histogram
-from bucketlimit._redis import permits
+from bucketlimit._redis import combined, permit_flows, permits
+from bucketlimit._redis.buckets import Part
 from bucketlimit._redis.clients import (
     DEFAULT_TIMEOUT,
     LazyClient,
     client_from_url,
     closed_async,
 )
+from bucketlimit._redis.combined import Combined, PermitPart, ReservedPermits
 from bucketlimit._redis.drivers import run, run_async
-from bucketlimit._redis.flows import Part, check_wait
+from bucketlimit._redis.flows import check_wait
 from bucketlimit._redis.keys import Keys
 from bucketlimit._redis.limiter import check_client
 from bucketlimit._redis.limiter import state_of as bucket_state_of
 from bucketlimit._redis.module import Engine, EngineName, check_engine
-from bucketlimit._redis.permits import Held, PermitPart, PermitState
+from bucketlimit._redis.permit_flows import AsyncRedisPermit, RedisPermit
+from bucketlimit._redis.permits import Held, PermitState
 from bucketlimit._redis.resilience import (
     LOCAL,
     Policy,
@@ -77,109 +76,6 @@ COUNTED: Final = (
     "fallback_decisions",
     "lost_releases",
 )
-
-
-# -- permits -------------------------------------------------------------------------
-
-
-class RedisPermit(permits.PermitHolder):
-    """A concurrency permit held on Redis (or, without the store, as the failure
-    policy gave it); truthy when granted. ``token`` is its fencing token: larger
-    for every later grant of the key by the store, across every process; a
-    degraded permit's (``decision.degraded``) comes from this process's local
-    limiter and is not comparable with the store's (docs/redis.md, "Concurrency
-    permits across processes"). A context manager, ``with`` and ``async with``,
-    releasing it on exit."""
-
-    __slots__ = ()
-
-    def release(self) -> None:
-        """Frees its slot for the key's first waiter (one script). Once: later calls,
-        and a call on a refusal or an expired permit, free nothing of anyone else's.
-        A release that cannot reach the store is counted (``lost_releases``) and
-        logged, and the permit expires by its ttl; under ``"raise"`` the client's
-        error (or ``StoreUnavailableError``) is raised too, the permit released
-        all the same (a second call sends nothing)."""
-        if self.claim():
-            run(permits.release(self._state, self._held), self._state)
-
-    def renew(self) -> bool:
-        """Extends it to ``ttl`` seconds from now, on the store's clock; False when it
-        expired or was released (a renewal never brings a permit back), or when the
-        store cannot say."""
-        if self.released:
-            return False
-        return run(permits.renew(self._state, self._held), self._state)
-
-    def valid(self) -> bool:
-        """Whether it is held now on the store's clock (a read): granted, not
-        released, not expired; False when the store cannot say."""
-        if self.released:
-            return False
-        return run(permits.valid(self._state, self._held), self._state)
-
-    def __enter__(self) -> RedisPermit:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    async def __aenter__(self) -> RedisPermit:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()  # the sync limiter's: a blocking round trip, as its calls are
-
-
-class AsyncRedisPermit(permits.PermitHolder):
-    """:class:`RedisPermit` of the asyncio limiter: ``release``, ``renew`` and
-    ``valid`` are coroutines; ``async with`` releases it on exit."""
-
-    __slots__ = ()
-
-    async def release(self) -> None:
-        """:meth:`RedisPermit.release`, awaited (shielded: a second cancellation
-        cannot lose it)."""
-        if self.claim():
-            await _shielded(run_async(permits.release(self._state, self._held), self._state))
-
-    async def renew(self) -> bool:
-        """:meth:`RedisPermit.renew`, awaited."""
-        if self.released:
-            return False
-        return await run_async(permits.renew(self._state, self._held), self._state)
-
-    async def valid(self) -> bool:
-        """:meth:`RedisPermit.valid`, awaited."""
-        if self.released:
-            return False
-        return await run_async(permits.valid(self._state, self._held), self._state)
-
-    async def __aenter__(self) -> AsyncRedisPermit:
-        return self
-
-    async def __aexit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        await self.release()
-
-
-#: Releases and renewals cancelled while they run, held until they end.
-_RUNNING: set[asyncio.Future[Any]] = set()
-
-
-async def _shielded(work: Awaitable[T]) -> T:
-    """``work`` in a task of its own: cancelled while it runs, it runs on."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        _RUNNING.add(task)
-        task.add_done_callback(_RUNNING.discard)
-        raise
 
 
 # -- the limiters -----------------------------------------------------------------------
@@ -407,7 +303,7 @@ class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
 
     def try_acquire(self, key: str) -> RedisPermit:
         """A permit now, or a refusal (falsy); never waits, never jumps the queue."""
-        return RedisPermit(self._state, run(permits.take(self._state, key), self._state))
+        return RedisPermit(self._state, run(permit_flows.take(self._state, key), self._state))
 
     def acquire(self, key: str, *, timeout: float | None = None) -> RedisPermit:
         """Blocks this thread until a permit is handed to it, in the order the server
@@ -417,7 +313,7 @@ class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
         store's messages, asking every 0.75 s). An exception while it waits (``KeyboardInterrupt``)
         leaves the queue first."""
         return RedisPermit(
-            self._state, run(permits.acquire(self._state, key, timeout), self._state)
+            self._state, run(permit_flows.acquire(self._state, key, timeout), self._state)
         )
 
     async def acquire_async(self, key: str, *, timeout: float | None = None) -> RedisPermit:
@@ -426,7 +322,7 @@ class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
         are awaited. A task cancelled while it waits leaves the queue (a permit
         handed to it meanwhile goes to the next). An asyncio service should use
         :class:`AsyncRedisConcurrencyLimiter`."""
-        flow = permits.acquire(self._state, key, timeout)
+        flow = permit_flows.acquire(self._state, key, timeout)
         held = await run_async(flow, self._state, blocking=True, undo=self._undo)
         return RedisPermit(self._state, held)
 
@@ -435,13 +331,13 @@ class RedisConcurrencyLimiter(RedisConcurrency[SyncClient]):
 
     def in_flight(self, key: str) -> int:
         """The key's permits held now (every process's; the expired ones gone)."""
-        return run(permits.in_flight(self._state, key), self._state)
+        return run(permit_flows.in_flight(self._state, key), self._state)
 
     def check(self) -> None:
         """Asks the store now (connects, runs the script as a read, reads the
         version): ``ConfigurationError`` for what no retry will fix, the client's
         error when the store cannot be reached. The limiter never calls it."""
-        run(permits.check(self._state), self._state)
+        run(permit_flows.check(self._state), self._state)
 
     def close(self) -> None:
         """Stops the wake-up listener and closes the client :meth:`from_url` built
@@ -470,14 +366,14 @@ class AsyncRedisConcurrencyLimiter(RedisConcurrency[AsyncClient]):
 
     async def try_acquire(self, key: str) -> AsyncRedisPermit:
         """:meth:`RedisConcurrencyLimiter.try_acquire`, awaited."""
-        flow = permits.take(self._state, key)
+        flow = permit_flows.take(self._state, key)
         return AsyncRedisPermit(self._state, await run_async(flow, self._state, undo=self._undo))
 
     async def acquire(self, key: str, *, timeout: float | None = None) -> AsyncRedisPermit:
         """:meth:`RedisConcurrencyLimiter.acquire`, awaited. Cancel-safe: a task
         cancelled while it waits (or while its request is on its way) leaves the
         queue, and a permit handed to it meanwhile goes at once to the next."""
-        flow = permits.acquire(self._state, key, timeout)
+        flow = permit_flows.acquire(self._state, key, timeout)
         held = await run_async(flow, self._state, undo=self._undo)
         return AsyncRedisPermit(self._state, held)
 
@@ -490,11 +386,11 @@ class AsyncRedisConcurrencyLimiter(RedisConcurrency[AsyncClient]):
 
     async def in_flight(self, key: str) -> int:
         """:meth:`RedisConcurrencyLimiter.in_flight`, awaited."""
-        return await run_async(permits.in_flight(self._state, key), self._state)
+        return await run_async(permit_flows.in_flight(self._state, key), self._state)
 
     async def check(self) -> None:
         """:meth:`RedisConcurrencyLimiter.check`, awaited."""
-        await run_async(permits.check(self._state), self._state)
+        await run_async(permit_flows.check(self._state), self._state)
 
     async def aclose(self) -> None:
         """Stops the wake-up listener and closes the client :meth:`from_url` built.
@@ -599,12 +495,12 @@ def has_permits(checks: list[Any]) -> bool:
 
 def _reserved_permits(
     holder: type[permits.PermitHolder],
-    combined: permits.Combined,
+    got: Combined,
     pparts: list[PermitPart],
     where: list[bool],
-) -> permits.ReservedPermits:
-    holders = [holder(state, held) for (state, _), held in zip(pparts, combined.helds, strict=True)]
-    return permits.ReservedPermits(holders, pparts, where)
+) -> ReservedPermits:
+    holders = [holder(state, held) for (state, _), held in zip(pparts, got.helds, strict=True)]
+    return ReservedPermits(holders, pparts, where)
 
 
 def reservation(
@@ -614,12 +510,12 @@ def reservation(
     parts: list[Part],
     pparts: list[PermitPart],
     where: list[bool],
-    combined: permits.Combined,
+    got: Combined,
 ) -> Any:
     """The reservation of a call over buckets and permits (``cls``: RedisReservation
     or AsyncRedisReservation; ``holder``: its permits' class)."""
-    held = _reserved_permits(holder, combined, pparts, where)
-    return cls(named, parts, combined.reserved, held)
+    held = _reserved_permits(holder, got, pparts, where)
+    return cls(named, parts, got.reserved, held)
 
 
 def with_permits(
@@ -661,8 +557,8 @@ def allow_all(
         kind=kind,
         wait=False,
     )
-    combined = run(permits.reserve_all(parts, pparts, mode, waited), pparts[0][0])
-    return reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+    got = run(combined.reserve_all(parts, pparts, mode, waited), pparts[0][0])
+    return reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
 
 
 async def allow_all_async(
@@ -679,13 +575,13 @@ async def allow_all_async(
         wait=False,
     )
 
-    async def undo(combined: permits.Combined) -> None:
-        made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+    async def undo(got: Combined) -> None:
+        made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
         await made.cancel()
 
-    flow = permits.reserve_all(parts, pparts, mode, waited)
-    combined = await run_async(flow, pparts[0][0], undo=undo)
-    return reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+    flow = combined.reserve_all(parts, pparts, mode, waited)
+    got = await run_async(flow, pparts[0][0], undo=undo)
+    return reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
 
 
 def acquire_all(kind: CallClasses, checks: list[Any], cost: object, timeout: object) -> Any:
@@ -695,8 +591,8 @@ def acquire_all(kind: CallClasses, checks: list[Any], cost: object, timeout: obj
     named, parts, pparts, where, waited = with_permits(
         "acquire_all", checks, cost, timeout, kind=kind, wait=True
     )
-    combined = run(permits.acquire_all(parts, pparts, waited), pparts[0][0])
-    made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+    got = run(combined.acquire_all(parts, pparts, waited), pparts[0][0])
+    made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
     made.wait()
     return made
 
@@ -710,12 +606,12 @@ async def acquire_all_async(
         "acquire_all", checks, cost, timeout, kind=kind, wait=True
     )
 
-    async def undo(combined: permits.Combined) -> None:
-        made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+    async def undo(got: Combined) -> None:
+        made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
         await made.cancel()
 
-    flow = permits.acquire_all(parts, pparts, waited)
-    combined = await run_async(flow, pparts[0][0], undo=undo)
-    made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, combined)
+    flow = combined.acquire_all(parts, pparts, waited)
+    got = await run_async(flow, pparts[0][0], undo=undo)
+    made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
     await made.wait()
     return made

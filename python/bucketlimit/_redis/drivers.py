@@ -7,7 +7,7 @@ a feature's state; a ``Local``, an answer from in process. The driver gives the
 flow what came back, or throws the error in at its ``yield``; the flow's return
 value is the operation's answer. What a reply or an error means is the flow's
 (``bucketlimit._redis.flows``). A flow is driven as a
-:class:`~bucketlimit._redis.flows.Flowing` (the common allow as ``flows.Allow``,
+:class:`~bucketlimit._redis.flows.Flowing` (the common allow, ``buckets.Allow``,
 which needs no generator), so a step costs no exception. The asyncio driver is
 cancel-safe for the flows that hold something once answered (``undo``). Shared
 round trips, which drive many flows at once, are ``bucketlimit._redis.batching``.
@@ -27,8 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
 
-from bucketlimit._core import Decision
-from bucketlimit._redis import flows, module
+from bucketlimit._redis import module
 from bucketlimit._redis.clients import LIBRARIES
 from bucketlimit._redis.errors import (
     REDIRECTED,
@@ -43,7 +42,7 @@ from bucketlimit._redis.errors import (
     classify,
 )
 from bucketlimit._redis.flows import Command, Flow, Flowing, Local, Outcome, Wait
-from bucketlimit._redis.state import LimiterState, Store
+from bucketlimit._redis.state import Store
 from bucketlimit._redis.timing import with_time
 
 T = TypeVar("T")
@@ -419,11 +418,12 @@ async def run_async(
     return answer(outcome)  # type: ignore[no-any-return]
 
 
-def allow(state: LimiterState, key: str, cost: object) -> Decision:
-    """``allow`` with blocking calls (``flows.Allow``: the common allow, one command)."""
-    return answer(drive(flows.Allow(state, key, cost), state))  # type: ignore[no-any-return]
+def run_flowing(flowing: Flowing, state: Store) -> Any:
+    """Drives a flow written without a generator (``buckets.Allow``, the common
+    allow: one command) to its answer with blocking calls."""
+    return answer(drive(flowing, state))
 
 
-async def allow_async(state: LimiterState, key: str, cost: object) -> Decision:
-    """:func:`allow`, awaited."""
-    return answer(await drive_async(flows.Allow(state, key, cost), state))  # type: ignore[no-any-return]
+async def run_flowing_async(flowing: Flowing, state: Store) -> Any:
+    """:func:`run_flowing`, awaited."""
+    return answer(await drive_async(flowing, state))

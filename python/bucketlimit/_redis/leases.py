@@ -36,7 +36,7 @@ from typing import Any, Final
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
-from bucketlimit._redis import flows
+from bucketlimit._redis import buckets, flows
 from bucketlimit._redis.flows import Corrupt, Flow, ScriptCommand, Unanswered
 from bucketlimit._redis.resilience import fork_safe
 from bucketlimit._redis.script import LEASE, lease_hash
@@ -211,7 +211,7 @@ def _give_back_at_exit() -> None:
 def allow(state: LimiterState, leases: LeaseState, key: str, cost: object) -> Flow[Decision]:
     """``allow(key, cost)`` when the lease did not answer (none, spent, past its
     period): the refusal cache first, then one caller renews the key's lease (the
-    others, meanwhile, ask the shared bucket: :func:`flows.decide`)."""
+    others, meanwhile, ask the shared bucket: :func:`buckets.decide`)."""
     cost = state.cost(cost)
     bucket = state.keys.bucket(key)  # checks the key
     yield from give_back_due(state, leases)
@@ -227,7 +227,7 @@ def allow(state: LimiterState, leases: LeaseState, key: str, cost: object) -> Fl
             return cached
     plan = leases.ledger.begin(key, cost)
     if plan is None:  # another caller renews this key's lease now
-        return (yield from flows.decide(state, key, cost))
+        return (yield from buckets.decide(state, key, cost))
     if isinstance(plan, Decision):  # renewed meanwhile
         return plan
     unused, asked, elapsed, holders = plan
@@ -356,7 +356,7 @@ def give_back(state: LimiterState, leases: LeaseState, key: str, unused: int) ->
         reply, sent = yield from flows.guarded(state, breaker, command, wrote=True)
     except (Unanswered, Corrupt) as failure:
         state.counters.leased(failure.sent, expired=unused)
-        flows.lost(state, [(key, unused)], failure.error)
+        buckets.lost(state, [(key, unused)], failure.error)
         state.counters.add(failure.sent)
         return
     finally:

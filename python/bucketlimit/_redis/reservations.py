@@ -22,15 +22,17 @@ from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
-from bucketlimit._redis import flows
+from bucketlimit._redis import buckets
+from bucketlimit._redis.buckets import NO_MORE, Part, Reserved
 from bucketlimit._redis.drivers import run, run_async
-from bucketlimit._redis.flows import NO_MORE, Flow, Part, Reserved
+from bucketlimit._redis.flows import Flow
 from bucketlimit._redis.script import CHARGE, REFUND
 from bucketlimit._redis.state import LimiterState
 
 if TYPE_CHECKING:
-    from bucketlimit._redis.concurrency import AsyncRedisPermit, RedisPermit
-    from bucketlimit._redis.permits import PermitHolder, ReservedPermits
+    from bucketlimit._redis.combined import ReservedPermits
+    from bucketlimit._redis.permit_flows import AsyncRedisPermit, RedisPermit
+    from bucketlimit._redis.permits import PermitHolder
 
 logger = logging.getLogger("bucketlimit")
 
@@ -198,10 +200,10 @@ class ReservationState:
         planned = self._give_backs(backs)
         if len(charges) == 1:
             state, key, cost = charges[0]
-            planned.append((flows.charge(state, key, cost), state))
+            planned.append((buckets.charge(state, key, cost), state))
         elif charges:
             planned.append(
-                (flows.change_all(charges, CHARGE, [NO_MORE] * len(charges)), charges[0][0])
+                (buckets.change_all(charges, CHARGE, [NO_MORE] * len(charges)), charges[0][0])
             )
         return planned
 
@@ -223,13 +225,13 @@ class ReservationState:
         if len(backs) == 1:
             i, cost = backs[0]
             state, key, reserved = self._parts[i]
-            return [(flows.give_back(state, key, cost, lines[i], reserved), state)]
+            return [(buckets.give_back(state, key, cost, lines[i], reserved), state)]
         parts = [(self._parts[i][0], self._parts[i][1], cost) for i, cost in backs]
         more: list[tuple[Any, ...]] = []
         for i, _ in backs:
             line = lines[i]
             more.append(NO_MORE if line is None else (*line, self._parts[i][2]))
-        return [(flows.change_all(parts, REFUND, more), parts[0][0])]
+        return [(buckets.change_all(parts, REFUND, more), parts[0][0])]
 
 
 class RedisReservation(ReservationState):

@@ -349,12 +349,13 @@ class StoreState:
             return f"calls are refused: {self.processes.describe()}"
         return self.fallback.description
 
-    def degraded(self, why: BaseException | None, *, logged: bool) -> None:
+    def degraded(self, why: BaseException | None, *, logged: bool, refused: bool = False) -> None:
         """An answer given without the store (``degraded=True``): counted. Never
         silent: an outage's start is logged by its breaker, with this
         process's share (``logged``); the first degraded answer for another reason
         (a full pool, a redirection storm, a corrupt key) is logged here, once per
-        limiter."""
+        limiter, with what calls get (``refused``: a refusal whatever the policy,
+        as on a corrupt key)."""
         self.counters.event("fallback_decisions")
         if logged or self._warned:
             return
@@ -364,7 +365,7 @@ class StoreState:
             self.name,
             type(why).__name__,
             why,
-            self.without_store(),
+            "this call is refused" if refused else self.without_store(),
         )
 
 
