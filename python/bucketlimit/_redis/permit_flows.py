@@ -301,18 +301,7 @@ def renew(state: PermitState, held: Held) -> Flow[bool]:
     when the store cannot say (raised under ``"raise"``): treat the permit as lost."""
     if held.local is not None:
         return held.local.renew()
-    if held.member is None:
-        return held.granted  # granted under "open": nothing to extend
-    pkey = state.key(held.key)
-    try:
-        reply, sent = yield from ask_about(state, pkey, RENEW, member=held.member)
-    except (Unanswered, Corrupt) as failure:
-        state.counters.add(failure.sent)
-        if state.policy == RAISE:
-            refuse(failure, state.breaker(pkey))
-        return False
-    state.counters.add(sent)
-    return bool(int(reply[0]))
+    return (yield from still_held(state, held, RENEW))
 
 
 def valid(state: PermitState, held: Held) -> Flow[bool]:
@@ -320,11 +309,17 @@ def valid(state: PermitState, held: Held) -> Flow[bool]:
     read); False when the store cannot say (raised under ``"raise"``)."""
     if held.local is not None:
         return held.local.valid()
+    return (yield from still_held(state, held, VALID))
+
+
+def still_held(state: PermitState, held: Held, operation: Mode) -> Flow[bool]:
+    """The store's answer to ``operation`` (renew, valid) on a permit it granted:
+    whether it still holds it; False when it cannot say (raised under ``"raise"``)."""
     if held.member is None:
-        return held.granted
+        return held.granted  # granted under "open": nothing on the store
     pkey = state.key(held.key)
     try:
-        reply, sent = yield from ask_about(state, pkey, VALID, member=held.member)
+        reply, sent = yield from ask_about(state, pkey, operation, member=held.member)
     except (Unanswered, Corrupt) as failure:
         state.counters.add(failure.sent)
         if state.policy == RAISE:
