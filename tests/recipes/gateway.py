@@ -125,6 +125,8 @@ def gateway_stack(shape: Shape, redis_url: str, folder: Path) -> Iterator[Stack]
         "--app-dir", str(ROOT / "examples" / "llm_gateway"), "gateway:app",
         "--host", "127.0.0.1", "--port", str(gateway_port),
         "--workers", str(shape.workers), "--log-level", "warning", "--no-access-log",
+        # A stream the provider still generates holds a graceful shutdown open.
+        "--timeout-graceful-shutdown", "5",
     ]  # fmt: skip
     with serve(provider, provider_port, folder / "provider.log", provider_env) as provider_url:
         gateway_env = {

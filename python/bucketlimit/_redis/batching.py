@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, SupportsIndex
 
 from bucketlimit._core import Decision
+from bucketlimit._histogram import fork_safe
 from bucketlimit._redis import flows
 from bucketlimit._redis.buckets import Allow
 from bucketlimit._redis.drivers import answer, drive, drive_async, run, run_async
@@ -48,7 +49,7 @@ from bucketlimit._redis.errors import (
 )
 from bucketlimit._redis.flows import BatchCommand, Command, Flow, Flowing, Outcome
 from bucketlimit._redis.keys import key_slot
-from bucketlimit._redis.resilience import Breaker, fork_safe
+from bucketlimit._redis.resilience import Breaker
 from bucketlimit._redis.script import MANY, NONE
 from bucketlimit._redis.state import LimiterState
 

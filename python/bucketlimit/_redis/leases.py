@@ -36,9 +36,9 @@ from typing import Any, Final
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
+from bucketlimit._histogram import fork_safe
 from bucketlimit._redis import buckets, flows
 from bucketlimit._redis.flows import Corrupt, Flow, ScriptCommand, Unanswered
-from bucketlimit._redis.resilience import fork_safe
 from bucketlimit._redis.script import LEASE, lease_hash
 from bucketlimit._redis.state import Counters, LimiterState
 

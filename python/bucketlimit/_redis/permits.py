@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from bucketlimit import _core
 from bucketlimit._core import ConcurrencyLimiter, Decision
-from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram
+from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram, fork_safe
 from bucketlimit._redis.clients import LazyClient
 from bucketlimit._redis.flows import (
     ScriptCommand,
@@ -38,7 +38,6 @@ from bucketlimit._redis.resilience import (
     RAISE,
     Policy,
     Processes,
-    fork_safe,
 )
 from bucketlimit._redis.script import (
     GENERAL,

@@ -28,11 +28,11 @@ import os
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from typing import Final, Literal, Protocol, cast
+from typing import Final, Literal, cast
 
 from bucketlimit._core import Decision, TokenBucketLimiter
+from bucketlimit._histogram import fork_safe
 
 logger = logging.getLogger("bucketlimit")
 
@@ -66,32 +66,6 @@ def _less(wait: float, elapsed: float) -> float:
     if math.isinf(wait):
         return wait
     return max(0, round(wait * 1_000_000) - round(elapsed * 1_000_000)) / 1_000_000
-
-
-class _ForkSafe(Protocol):
-    def _after_fork(self) -> None: ...
-
-
-_FORK_SAFE: weakref.WeakSet[_ForkSafe] = weakref.WeakSet()
-
-
-def fork_safe(obj: _ForkSafe) -> None:
-    """Calls ``obj._after_fork()`` in the child of every ``fork()``.
-
-    A lock held by another thread when a process forks stays held for ever in the
-    child, where that thread does not exist: each object holding a lock gives
-    itself new ones (and forgets what such a thread was doing) there.
-    """
-    _FORK_SAFE.add(obj)
-
-
-def _after_fork_in_child() -> None:
-    for obj in list(_FORK_SAFE):
-        obj._after_fork()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # The limiters' failure settings, checked as the core checks its own (docs/design.md §3):

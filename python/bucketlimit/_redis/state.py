@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Final, Protocol
 
 from bucketlimit import _core
 from bucketlimit._core import Decision
-from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram
+from bucketlimit._histogram import ROUND_TRIP_BUCKETS, Histogram, fork_safe
 from bucketlimit._redis.clients import LazyClient
 from bucketlimit._redis.keys import Keys, key_slot
 from bucketlimit._redis.module import Engine
@@ -31,7 +31,6 @@ from bucketlimit._redis.resilience import (
     Policy,
     Processes,
     RefusalCache,
-    fork_safe,
 )
 from bucketlimit._redis.script import (
     HEARTBEAT,

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any, Final
 
-from bucketlimit._redis.resilience import fork_safe
+from bucketlimit._histogram import fork_safe
 
 logger = logging.getLogger("bucketlimit")
 
