@@ -35,7 +35,7 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, SupportsIndex
 
-from bucketlimit import _checks, _core
+from bucketlimit import _checks
 from bucketlimit._core import Decision
 from bucketlimit._redis import buckets, concurrency, drivers, flows, leases
 from bucketlimit._redis.batching import Batcher, GroupCommit, allow_many, allow_many_async
@@ -61,7 +61,7 @@ from bucketlimit._redis.errors import (
     StoreUnavailableError,
 )
 from bucketlimit._redis.leases import LeasePolicy
-from bucketlimit._redis.limiter import RedisLimiter, state_of
+from bucketlimit._redis.limiter import RedisLimiter
 from bucketlimit._redis.module import module_path
 from bucketlimit._redis.reservations import AsyncRedisReservation, RedisReservation
 from bucketlimit._redis.resilience import Policy
@@ -427,50 +427,6 @@ async def _shielded(
     return AsyncRedisReservation(checks, parts, await run_async(flow, parts[0][0], undo=undo))
 
 
-def _parts(
-    checks: Iterable[Any], cost: object, what: str
-) -> tuple[list[tuple[Any, str, int]], list[Part]]:
-    """The checks of one call over several Redis limiters, every one checked before
-    anything is sent: pairs or triples, duplicates, one client, costs and keys (a
-    cluster's one hash slot when the script is built). Answers them as
-    ``(limiter, key, cost)`` and as the flows' parts."""
-    named: list[tuple[Any, str, int]] = []
-    parts: list[Part] = []
-    seen: set[tuple[int, str]] = set()
-    for item in checks:
-        if not isinstance(item, tuple) or len(item) not in (2, 3):
-            raise TypeError(
-                f"{what} takes a sequence of (limiter, key) pairs or (limiter, key, cost) "
-                f"triples, got {type(item).__name__}"
-            )
-        limiter, key = item[0], item[1]
-        own_cost = item[2] if len(item) == 3 else cost
-        if not isinstance(limiter, RedisLimiter):
-            raise TypeError(f"{what} got {type(limiter).__name__} among Redis limiters")
-        state = state_of(limiter)
-        if parts and state.same_client() is not parts[0][0].same_client():
-            raise ValueError(
-                f"{what} runs one script on one client: every Redis limiter in it "
-                "must share the same client object"
-            )
-        if not isinstance(key, str):
-            raise TypeError(f"key must be a str, got {type(key).__name__}")
-        if (id(limiter), key) in seen:
-            raise ValueError(f"{what} got the same (limiter, key) twice: key {key!r}")
-        seen.add((id(limiter), key))
-        checked = _core.check_cost(own_cost, limiter.capacity)
-        named.append((limiter, key, checked))
-        parts.append((state, key, checked))
-    if not parts:
-        raise ValueError(f"{what} needs at least one (limiter, key)")
-    return named, parts
-
-
-def _kind(named: list[tuple[Any, str, int]], cls: type[Any], what: str) -> None:
-    if not isinstance(named[0][0], cls):
-        raise TypeError(f"{what} takes {cls.__name__} instances here")
-
-
 def allow_all(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Any:
     """``bucketlimit.allow_all`` for Redis limiters sharing one client: one script
     that checks every bucket before it spends from any. A check is ``(limiter, key)``
@@ -479,23 +435,13 @@ def allow_all(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Any
     only if free now), the same script takes the permits, all or nothing, and the
     answer is the :class:`RedisReservation` holding them (its ``cancel()`` /
     ``settle(used)`` release them)."""
-    checks = list(checks)
-    if concurrency.has_permits(checks):
-        return concurrency.allow_all(_SYNC, checks, cost, ALLOW, None)
-    named, parts = _parts(checks, cost, "allow_all")
-    _kind(named, RedisTokenBucketLimiter, "allow_all")
-    return run(buckets.allow_all(parts), parts[0][0])
+    return concurrency.allow_all(_SYNC, list(checks), cost, ALLOW, None)
 
 
 async def allow_all_async(checks: Iterable[tuple[Any, ...]], cost: SupportsIndex = 1) -> Any:
     """:func:`allow_all` for :class:`AsyncRedisTokenBucketLimiter` (and
     :class:`AsyncRedisConcurrencyLimiter`) instances."""
-    checks = list(checks)
-    if concurrency.has_permits(checks):
-        return await concurrency.allow_all_async(_ASYNC, checks, cost, ALLOW, None)
-    named, parts = _parts(checks, cost, "allow_all_async")
-    _kind(named, AsyncRedisTokenBucketLimiter, "allow_all_async")
-    return await run_async(buckets.allow_all(parts), parts[0][0])
+    return await concurrency.allow_all_async(_ASYNC, list(checks), cost, ALLOW, None)
 
 
 def reserve_all(
@@ -510,14 +456,7 @@ def reserve_all(
     checked before any is written); the delay is the longest. A concurrency check
     takes its permit in the same script if it is free now (a reservation never
     queues for one), living ``ttl`` from when the tokens are ready."""
-    checks = list(checks)
-    if concurrency.has_permits(checks):
-        return concurrency.allow_all(_SYNC, checks, cost, RESERVE, max_wait)  # type: ignore[no-any-return]
-    wait = flows.check_wait(max_wait, _name)
-    named, parts = _parts(checks, cost, "reserve_all")
-    _kind(named, RedisTokenBucketLimiter, "reserve_all")
-    reserved = run(buckets.reserve_all(parts, wait), parts[0][0])
-    return RedisReservation(named, parts, reserved)
+    return concurrency.allow_all(_SYNC, list(checks), cost, RESERVE, max_wait, _name)  # type: ignore[no-any-return]
 
 
 async def reserve_all_async(
@@ -530,13 +469,7 @@ async def reserve_all_async(
     """:func:`reserve_all` for :class:`AsyncRedisTokenBucketLimiter` (and
     :class:`AsyncRedisConcurrencyLimiter`) instances; cancelled while its script is
     on its way, it gives the tokens back once the reply lands."""
-    checks = list(checks)
-    if concurrency.has_permits(checks):
-        return await concurrency.allow_all_async(_ASYNC, checks, cost, RESERVE, max_wait)  # type: ignore[no-any-return]
-    wait = flows.check_wait(max_wait, _name)
-    named, parts = _parts(checks, cost, "reserve_all")
-    _kind(named, AsyncRedisTokenBucketLimiter, "reserve_all_async")
-    return await _shielded(buckets.reserve_all(parts, wait), named, parts)
+    return await concurrency.allow_all_async(_ASYNC, list(checks), cost, RESERVE, max_wait, _name)  # type: ignore[no-any-return]
 
 
 def acquire_all(

@@ -1,8 +1,9 @@
 """The token buckets' operations on Redis, each written once, as a flow
 (docs/design.md §6): the common allow (:class:`Allow`, without a generator),
 :func:`decide`, :func:`reserve`, :func:`give_back`, :func:`reset`,
-:func:`charge`, :func:`observe`, and the calls over several buckets in the
-general script (:func:`allow_all`, :func:`reserve_all`, :func:`change_all`).
+:func:`charge`, :func:`observe`, the general script over several buckets
+(:func:`general`) and a reservation's give-backs or charges in it
+(:func:`change_all`); ``allow_all`` and ``reserve_all`` are ``combined``'s.
 Each says what its answer is with the store and without it; the kernel
 (``bucketlimit._redis.flows``) sends, resends and classifies.
 """
@@ -37,7 +38,6 @@ from bucketlimit._redis.flows import (
 )
 from bucketlimit._redis.keys import check_one_slot
 from bucketlimit._redis.resilience import (
-    CLOSED,
     RAISE,
     SKIP,
     STORE,
@@ -464,7 +464,7 @@ def reserve(
         reply, sent = yield from guarded(state, breaker, command, wrote=spent)
     except Unanswered as failure:
         unanswered(state, failure, breaker)
-        reserved = reserved_without_store([(state, key, cost)], wait)
+        reserved = reserved_without_store(state, key, cost, wait)
         state.counters.add(failure.sent, reserved.decision.allowed)
         return reserved
     except Corrupt as failure:
@@ -486,9 +486,12 @@ def reserve(
 
 def reserved_of(state: LimiterState, reply: Any, buckets: int) -> Reserved:
     """A reservation's reply ``{retry_after, remaining, reset_after, limit, delay, line
-    per bucket}`` (a bucket it does not wait in has nil, read as None, or no line)."""
+    per bucket}`` (a bucket it does not wait in has nil, read as None, or no line),
+    or an allow's, which ends with its decision (no delay: an allow never waits)."""
     decision = state.decision(reply)
-    delay = reply[4] / 1_000_000 if reply[4] >= 0 else math.inf
+    delay = 0.0
+    if len(reply) > 4:
+        delay = reply[4] / 1_000_000 if reply[4] >= 0 else math.inf
     lines: list[Line | None] = [None] * buckets
     for i, line in enumerate(reply[5:]):
         if line:
@@ -512,25 +515,21 @@ def cached_reservation(cached: Decision | None, max_wait: int) -> Reserved | Non
     return Reserved(refusal, wait / 1_000_000, [None])
 
 
-def reserved_without_store(parts: Sequence[Part], max_wait: int | None) -> Reserved:
+def reserved_without_store(
+    state: LimiterState, key: str, cost: int, max_wait: int | None
+) -> Reserved:
     """A reservation without the store: ``"closed"`` refuses, ``"open"`` grants at once
     taking nothing anywhere, ``"local"`` reserves from this process's share (in
     process, degraded; its cancel and settle act there)."""
-    lines: list[Line | None] = [None] * len(parts)
-    for state, _, _ in parts:
-        if state.fallback.policy == CLOSED:
-            refusal = state.fallback.refusal()
-            return Reserved(refusal, refusal.retry_after, lines, stored=False)
-    local = [
-        (state.fallback.local, key, min(cost, state.fallback.share))
-        for state, key, cost in parts
-        if state.fallback.local is not None
-    ]
-    if not local:  # all "open"
-        return Reserved(parts[0][0].fallback.decide("", 1, peek=False), 0.0, lines, stored=False)
+    fallback = state.fallback
+    if fallback.local is None:  # "open" or "closed"
+        decision = fallback.decide(key, cost, peek=False)
+        delay = 0.0 if decision.allowed else decision.retry_after
+        return Reserved(decision, delay, [None], stored=False)
     wait = None if max_wait is None else max_wait / 1_000_000
-    reservation = _core.reserve_all(local, max_wait=wait)
-    return Reserved(reservation.decision, reservation.delay, lines, stored=False, local=reservation)
+    share = [(fallback.local, key, min(cost, fallback.share))]
+    local = _core.reserve_all(share, max_wait=wait)
+    return Reserved(local.decision, local.delay, [None], stored=False, local=local)
 
 
 # -- several buckets: the general script ---------------------------------------------
@@ -567,91 +566,6 @@ def general(parts: Sequence[Part], mode: Mode, more: Sequence[tuple[Any, ...]]) 
     return ScriptCommand(parts[0][0].script, keys, args)
 
 
-def raises(parts: Sequence[Part]) -> bool:
-    """A call over several limiters raises when one of them does."""
-    return any(state.policy == RAISE for state, _, _ in parts)
-
-
-def count_all(parts: Sequence[Part], sent: int, allowed: bool | None) -> None:
-    """A call over several buckets counts its commands once (on the first limiter,
-    whose breaker and policy it went through) and its decision on every limiter."""
-    parts[0][0].counters.add(sent, allowed)
-    if allowed is not None:
-        for state, _, _ in parts[1:]:
-            state.counters.add(0, allowed)
-
-
-def allow_all(parts: Sequence[Part]) -> Flow[Decision]:
-    """``allow_all``: one script checks every bucket before it spends from any; all
-    or nothing. Without the store, each limiter's policy, combined as allow_all is
-    (:func:`allowed_without_store`)."""
-    first = parts[0][0]
-    command = general(parts, ALLOW, [NO_MORE] * len(parts))
-    breaker = first.breaker(command.keys[0])
-    try:
-        reply, sent = yield from guarded(first, breaker, command, wrote=spent)
-    except Unanswered as failure:
-        unanswered(first, failure, breaker, raises=raises(parts))
-        decision = allowed_without_store(parts)
-        count_all(parts, failure.sent, decision.allowed)
-        return decision
-    except Corrupt as failure:
-        decision = corrupt(first, failure, breaker, raises=raises(parts))
-        count_all(parts, failure.sent, False)
-        return decision
-    decision = first.decision(reply)
-    count_all(parts, sent, decision.allowed)
-    return decision
-
-
-def allowed_without_store(parts: Sequence[Part]) -> Decision:
-    """``allow_all`` without the store. Any ``"closed"`` limiter refuses the whole
-    call; ``"open"`` ones allow their part; the ``"local"`` ones decide together in
-    process, all or nothing: one cost for all (pairs) is charged at most the
-    smallest of their shares, as in ``allow_all``; checks with costs of their own
-    are each charged at most their limiter's share."""
-    for state, _, _ in parts:
-        if state.fallback.policy == CLOSED:
-            return state.fallback.refusal()
-    local = [
-        (state.fallback.local, key, min(cost, state.fallback.share))
-        for state, key, cost in parts
-        if state.fallback.local is not None
-    ]
-    if not local:
-        return parts[0][0].fallback.decide("", 1, peek=False)  # all "open"
-    costs = {cost for _, _, cost in parts}
-    if len(costs) == 1:
-        shares = [s.fallback.share for s, _, _ in parts if s.fallback.local is not None]
-        one = min(costs.pop(), *shares)
-        local = [(fallback, key, one) for fallback, key, _ in local]
-    return _core.allow_all(local)  # the local limiters answer degraded
-
-
-def reserve_all(parts: Sequence[Part], max_wait: int | None) -> Flow[Reserved]:
-    """``reserve_all``: every bucket reserves its cost at the same moment in one
-    script, all or nothing (each checked before any is written); the delay is the
-    longest."""
-    first = parts[0][0]
-    more = [(NONE if max_wait is None else max_wait, NONE, NONE, NONE)] * len(parts)
-    command = general(parts, RESERVE, more)
-    breaker = first.breaker(command.keys[0])
-    try:
-        reply, sent = yield from guarded(first, breaker, command, wrote=spent)
-    except Unanswered as failure:
-        unanswered(first, failure, breaker, raises=raises(parts))
-        reserved = reserved_without_store(parts, max_wait)
-        count_all(parts, failure.sent, reserved.decision.allowed)
-        return reserved
-    except Corrupt as failure:
-        refusal = corrupt(first, failure, breaker, raises=raises(parts))
-        count_all(parts, failure.sent, False)
-        return Reserved(refusal, refusal.retry_after, [None] * len(parts))
-    reserved = reserved_of(first, reply, len(parts))
-    count_all(parts, sent, reserved.decision.allowed)
-    return reserved
-
-
 def change_all(parts: Sequence[Part], mode: Mode, more: Sequence[tuple[Any, ...]]) -> Flow[None]:
     """The give-backs (``REFUND``, each with its line) or the charges (``CHARGE``) of a
     reservation over several buckets, in one script. Without the store they are
@@ -669,9 +583,9 @@ def change_all(parts: Sequence[Part], mode: Mode, more: Sequence[tuple[Any, ...]
         if mode is REFUND:
             for state, key, cost in parts:
                 lost(state, [(key, cost)], failure.error)
-        not_given_back(first, failure, breaker, raises=raises(parts))
+        not_given_back(first, failure, breaker, raises=any(s.policy == RAISE for s, _, _ in parts))
         return
-    count_all(parts, sent, None)
+    first.counters.add(sent)  # no decision: the commands, on the limiter they went through
 
 
 def check(state: LimiterState) -> Flow[None]:

@@ -1,9 +1,10 @@
-"""The calls over several limiters with concurrency permits among them, one
-script each (docs/design.md §4, "Permits with tokens"): ``allow_all`` and
-``reserve_all`` (:func:`reserve_all`), ``acquire_all`` (:func:`acquire_all`,
-waiting its turn at a busy permit), and the give-backs of their reservations,
-which release the permits in the same script (:class:`ReservedPermits`). The
-decisions combine by ``_core.combine``, the rule of the in-process ``*_all``.
+"""The calls over several limiters, one script each (docs/design.md §4, "Permits
+with tokens"): ``allow_all`` and ``reserve_all`` over token buckets with or
+without concurrency permits among them (:func:`reserve_all`), ``acquire_all``
+with permits (:func:`acquire_all`, waiting its turn at a busy permit), and the
+give-backs of their reservations, which release the permits in the same script
+(:class:`ReservedPermits`). The decisions combine by ``_core.combine``, the rule
+of the in-process ``*_all``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bucketlimit._redis.buckets import (
     general,
     give_back,
     lost,
+    reserved_of,
 )
 from bucketlimit._redis.flows import (
     Corrupt,
@@ -33,6 +35,7 @@ from bucketlimit._redis.flows import (
     Unanswered,
     guarded,
     refuse,
+    spent,
     unanswered,
 )
 from bucketlimit._redis.keys import check_one_slot
@@ -51,6 +54,7 @@ from bucketlimit._redis.permits import (
 )
 from bucketlimit._redis.resilience import CLOSED, RAISE
 from bucketlimit._redis.script import (
+    ALLOW,
     NONE,
     REFUND,
     RELEASE,
@@ -102,10 +106,13 @@ def combined_command(
     members: Sequence[str | None],
     names: Sequence[str | None],
 ) -> ScriptCommand:
-    """The general script over the buckets (as ``flows.general``) and then the permit
-    keys in ``order`` (each its four keys), each with its member (a permit the call
-    holds) or name (a waiter queued there if it is busy). On a cluster every key must share one
-    slot: said before anything is sent."""
+    """The general script over the buckets (``buckets.general``, which is all of it
+    without permits) and then the permit keys in ``order`` (each its four keys),
+    each with its member (a permit the call holds) or name (a waiter queued there if
+    it is busy). On a cluster every key must share one slot: said before anything
+    is sent."""
+    if not permit_parts:
+        return general(parts, mode, more)
     script = permit_parts[0][0].script
     keys: list[bytes] = []
     args: list[Any] = []
@@ -140,7 +147,10 @@ def combined_of(
     over buckets and permits as the reservation and the permits, combined as the
     in-process ``*_all`` (py_reserve::with_permits): the tokens' decision first,
     then each permit's in the order of the checks. ``before``: the permits the
-    call held already (a waiting acquire_all's), which answer with their grants."""
+    call held already (a waiting acquire_all's), which answer with their grants.
+    Without permits the script answers as over buckets alone (``buckets.reserved_of``)."""
+    if not permit_parts:
+        return Combined(reserved_of(parts[0][0], reply, len(parts)), [])
     answers: list[Any] = list(reply[6] or [])
     helds: list[Held] = [Held("", Decision(False, 0.0, 0, 0.0, 0))] * len(permit_parts)
     queued = None
@@ -189,15 +199,13 @@ def store_of(parts: Sequence[Part], permit_parts: Sequence[PermitPart]) -> Any:
 def count_all(
     parts: Sequence[Part], permit_parts: Sequence[PermitPart], sent: int, allowed: bool
 ) -> None:
-    """A call over several: its commands once (on the state it went through), its
-    decision on every limiter."""
-    first = store_of(parts, permit_parts)
-    first.counters.add(sent, allowed)
-    seen = {id(first)}
-    for state in [s for s, _, _ in parts] + [s for s, _ in permit_parts]:
-        if id(state) not in seen:
-            seen.add(id(state))
-            state.counters.add(0, allowed)
+    """A call over several: its commands once (on the state it went through, the
+    first), its decision once per check on the check's limiter, as the in-process
+    ``*_all`` counts (two keys of one limiter: twice)."""
+    states = [s for s, _, _ in parts] + [s for s, _ in permit_parts]
+    states[0].counters.add(sent, allowed)
+    for state in states[1:]:
+        state.counters.add(0, allowed)
 
 
 def raises(parts: Sequence[Part], permit_parts: Sequence[PermitPart]) -> bool:
@@ -218,14 +226,18 @@ def combined_call(
     """One script over the buckets and the permits (``ALLOW``: allow_all;
     ``RESERVE``: reserve_all, and each step of acquire_all), through the first
     check's breaker: the answer and the commands sent. A store failure raises
-    ``Unanswered`` / ``Corrupt`` for the caller to answer by the policies."""
+    ``Unanswered`` / ``Corrupt`` for the caller to answer by the policies. After
+    ``READONLY`` only a write closes the breaker: over buckets alone only an
+    allowed answer wrote (``flows.spent``); with permits every answer counts as
+    one, as a permit's own calls do."""
     order = ordered(permit_parts)
     more = [(NONE if max_wait is None else max_wait, NONE, NONE, NONE)] * len(parts)
     members = [None if held is None else held.member for held in before]
     command = combined_command(parts, more, permit_parts, order, mode, members, names)
     first = store_of(parts, permit_parts)
     breaker = first.breaker(command.keys[0])
-    reply, sent = yield from guarded(first, breaker, command, wrote=True)
+    wrote = True if permit_parts else spent
+    reply, sent = yield from guarded(first, breaker, command, wrote=wrote)
     return combined_of(parts, permit_parts, order, reply, before), sent
 
 
@@ -259,15 +271,24 @@ def refused_all(parts: Sequence[Part], permit_parts: Sequence[PermitPart]) -> Co
 def all_without_store(
     parts: Sequence[Part],
     permit_parts: Sequence[PermitPart],
+    mode: Mode,
     max_wait: int | None,
     *,
     wait: bool,
 ) -> Waits:
-    """A call over buckets and permits without the store: any ``"closed"`` limiter
-    refuses it; the ``"local"`` ones decide together in process, all or nothing,
-    on this process's shares (a cost at most the share): ``_core.reserve_all``, or
-    with ``wait`` ``_core.acquire_all`` (its permits waited for); ``"open"``
-    ones take nothing. Every answer is degraded."""
+    """A call over several without the store, each limiter's policy, all or nothing;
+    every answer is degraded. Any ``"closed"`` limiter refuses the call, answered
+    as the call's first limiter (:func:`refused_all`: its breaker is the one that
+    says when the store is asked again, and a corrupt key refuses so too); when
+    all are ``"open"`` it is granted, taking nothing, answered as the first
+    limiter too; ``"open"`` ones among others take nothing. The ``"local"`` ones
+    decide together in process, on this process's shares: each check charged at
+    most its limiter's share, by ``_core.reserve_all``, or with ``wait``
+    ``_core.acquire_all`` (its permits waited for). ``allow_all`` over buckets
+    alone answers a decision and holds nothing: ``_core.allow_all``, and with one
+    cost for every check (pairs) each is charged at most the smallest of the
+    local shares, so that all are charged the same cost, as the call asked."""
+    first = store_of(parts, permit_parts)
     states = [s for s, _, _ in parts] + [s for s, _ in permit_parts]
     if any(state.fallback.policy == CLOSED for state in states):
         return refused_all(parts, permit_parts)
@@ -280,7 +301,20 @@ def all_without_store(
     lines: list[Line | None] = [None] * len(parts)
     if not local and not permits_here:  # all "open"
         helds = [pstate.fallback.held(key, None) for pstate, key in permit_parts]
-        return Combined(Reserved(helds[0].decision, 0.0, lines, stored=False), helds)
+        granted = (
+            first.fallback.open
+            if isinstance(first, PermitState)
+            else first.fallback.decide("", 1, peek=False)
+        )
+        return Combined(Reserved(granted, 0.0, lines, stored=False), helds)
+    if mode is ALLOW and not permit_parts:
+        costs = {cost for _, _, cost in parts}
+        if len(costs) == 1:
+            shares = [s.fallback.share for s, _, _ in parts if s.fallback.local is not None]
+            one = min(costs.pop(), *shares)
+            local = [(limiter, key, one) for limiter, key, _ in local]
+        decision = _core.allow_all(local)  # the local limiters answer degraded
+        return Combined(Reserved(decision, 0.0, lines, stored=False), [])
     seconds = None if max_wait is None else max_wait / 1_000_000
     checks = local + permits_here
     reservation: _core.Reservation
@@ -312,11 +346,12 @@ def all_without_store(
 def reserve_all(
     parts: Sequence[Part], permit_parts: Sequence[PermitPart], mode: Mode, max_wait: int | None
 ) -> Waits:
-    """``allow_all`` (``ALLOW``) and ``reserve_all`` (``RESERVE``) with permits among
-    the checks: one script decides every bucket and every permit at one moment,
-    all or nothing; a permit is taken only if it is free now (a reservation never
-    queues for one), and lives ``ttl`` from when the tokens are ready. Without the
-    store, each limiter's policy (:func:`all_without_store`)."""
+    """``allow_all`` (``ALLOW``) and ``reserve_all`` (``RESERVE``) over token buckets
+    and permits (``permit_parts`` may be empty): one script decides every bucket
+    and every permit at one moment, all or nothing; a permit is taken only if it
+    is free now (a reservation never queues for one), and lives ``ttl`` from when
+    the tokens are ready. Without the store, each limiter's policy
+    (:func:`all_without_store`); a corrupt key refuses (:func:`refused_all`)."""
     try:
         no = [None] * len(permit_parts)
         combined, sent = yield from combined_call(parts, permit_parts, mode, max_wait, no, no)
@@ -325,7 +360,7 @@ def reserve_all(
         if isinstance(failure, Corrupt):
             combined = refused_all(parts, permit_parts)
         else:
-            combined = yield from all_without_store(parts, permit_parts, max_wait, wait=False)
+            combined = yield from all_without_store(parts, permit_parts, mode, max_wait, wait=False)
         count_all(parts, permit_parts, failure.sent, combined.reserved.decision.allowed)
         return combined
     count_all(parts, permit_parts, sent, combined.reserved.decision.allowed)
@@ -405,7 +440,7 @@ def acquired_all(
             combined = refused_all(parts, permit_parts)
         else:
             wait = None if deadline is None else max(0, deadline - _core.clock_to_micros(clock()))
-            combined = yield from all_without_store(parts, permit_parts, wait, wait=True)
+            combined = yield from all_without_store(parts, permit_parts, RESERVE, wait, wait=True)
         count_all(parts, permit_parts, sent + failure.sent, combined.reserved.decision.allowed)
         return combined
     except BaseException:

@@ -493,41 +493,38 @@ def has_permits(checks: list[Any]) -> bool:
     )
 
 
-def _reserved_permits(
-    holder: type[permits.PermitHolder],
-    got: Combined,
-    pparts: list[PermitPart],
-    where: list[bool],
-) -> ReservedPermits:
-    holders = [holder(state, held) for (state, _), held in zip(pparts, got.helds, strict=True)]
-    return ReservedPermits(holders, pparts, where)
-
-
 def reservation(
-    cls: type[Any],
-    holder: type[permits.PermitHolder],
+    kind: CallClasses,
     named: list[tuple[Any, str, int]],
     parts: list[Part],
     pparts: list[PermitPart],
     where: list[bool],
     got: Combined,
 ) -> Any:
-    """The reservation of a call over buckets and permits (``cls``: RedisReservation
-    or AsyncRedisReservation; ``holder``: its permits' class)."""
-    held = _reserved_permits(holder, got, pparts, where)
-    return cls(named, parts, got.reserved, held)
+    """The reservation of a call over buckets and permits (``kind.reservation``:
+    RedisReservation or AsyncRedisReservation; ``kind.holder``: its permits'
+    class); over buckets alone it holds no permits."""
+    if not pparts:
+        return kind.reservation(named, parts, got.reserved)
+    holders = [kind.holder(state, held) for (state, _), held in zip(pparts, got.helds, strict=True)]
+    return kind.reservation(named, parts, got.reserved, ReservedPermits(holders, pparts, where))
 
 
 def with_permits(
-    what: str, checks: list[Any], cost: object, max_wait: object, *, kind: CallClasses, wait: bool
+    what: str, checks: list[Any], cost: object, max_wait: object, name: str, *, kind: CallClasses
 ) -> tuple[list[tuple[Any, str, int]], list[Part], list[PermitPart], list[bool], int | None]:
-    """The checks and the wait of a call over buckets and permits."""
-    name = "timeout" if wait else "max_wait"
+    """The checks and the wait (called ``name``) of a call over buckets and permits."""
     waited = check_wait(max_wait, name)
     named, parts, pparts, where = split(
         checks, cost, what, buckets=kind.buckets, concurrency=kind.concurrency
     )
     return named, parts, pparts, where, waited
+
+
+def sender(parts: list[Part], pparts: list[PermitPart]) -> Any:
+    """The state whose driver sends a call over several (its engine, its time
+    source): the first permit's, else the first bucket's."""
+    return pparts[0][0] if pparts else parts[0][0]
 
 
 class CallClasses:
@@ -545,43 +542,52 @@ class CallClasses:
 
 
 def allow_all(
-    kind: CallClasses, checks: list[Any], cost: object, mode: Mode, max_wait: object
+    kind: CallClasses,
+    checks: list[Any],
+    cost: object,
+    mode: Mode,
+    max_wait: object,
+    name: str = "max_wait",
 ) -> Any:
-    """``allow_all`` (``ALLOW``) and ``reserve_all`` (``RESERVE``) with permits among
-    the checks, blocking: one script; the reservation holding the permits."""
+    """``allow_all`` (``ALLOW``) and ``reserve_all`` (``RESERVE``) over token buckets
+    and concurrency permits (or none), blocking: one script (``combined``).
+    ``allow_all`` over buckets alone answers its ``Decision``; any other, the
+    reservation (holding the permits)."""
+    what = "allow_all" if mode is ALLOW else "reserve_all"
     named, parts, pparts, where, waited = with_permits(
-        "allow_all" if mode is ALLOW else "reserve_all",
-        checks,
-        cost,
-        max_wait,
-        kind=kind,
-        wait=False,
+        what, checks, cost, max_wait, name, kind=kind
     )
-    got = run(combined.reserve_all(parts, pparts, mode, waited), pparts[0][0])
-    return reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
+    got = run(combined.reserve_all(parts, pparts, mode, waited), sender(parts, pparts))
+    if mode is ALLOW and not pparts:
+        return got.reserved.decision
+    return reservation(kind, named, parts, pparts, where, got)
 
 
 async def allow_all_async(
-    kind: CallClasses, checks: list[Any], cost: object, mode: Mode, max_wait: object
+    kind: CallClasses,
+    checks: list[Any],
+    cost: object,
+    mode: Mode,
+    max_wait: object,
+    name: str = "max_wait",
 ) -> Any:
-    """:func:`allow_all` for the asyncio limiters (shielded: cancelled while its
-    script is on its way, it gives back what it got once the reply lands)."""
+    """:func:`allow_all` for the asyncio limiters. A reservation is shielded:
+    cancelled while its script is on its way, it gives back what it got once the
+    reply lands (a decision holds nothing to give back)."""
+    what = "allow_all" if mode is ALLOW else "reserve_all"
     named, parts, pparts, where, waited = with_permits(
-        "allow_all" if mode is ALLOW else "reserve_all",
-        checks,
-        cost,
-        max_wait,
-        kind=kind,
-        wait=False,
+        what, checks, cost, max_wait, name, kind=kind
     )
+    decides = mode is ALLOW and not pparts
 
     async def undo(got: Combined) -> None:
-        made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
-        await made.cancel()
+        await reservation(kind, named, parts, pparts, where, got).cancel()
 
     flow = combined.reserve_all(parts, pparts, mode, waited)
-    got = await run_async(flow, pparts[0][0], undo=undo)
-    return reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
+    got = await run_async(flow, sender(parts, pparts), undo=None if decides else undo)
+    if decides:
+        return got.reserved.decision
+    return reservation(kind, named, parts, pparts, where, got)
 
 
 def acquire_all(kind: CallClasses, checks: list[Any], cost: object, timeout: object) -> Any:
@@ -589,10 +595,10 @@ def acquire_all(kind: CallClasses, checks: list[Any], cost: object, timeout: obj
     (in the order of their Redis keys, FIFO each), then for the tokens; answers the
     reservation holding them (its ``settle`` / ``cancel`` release them)."""
     named, parts, pparts, where, waited = with_permits(
-        "acquire_all", checks, cost, timeout, kind=kind, wait=True
+        "acquire_all", checks, cost, timeout, "timeout", kind=kind
     )
     got = run(combined.acquire_all(parts, pparts, waited), pparts[0][0])
-    made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
+    made = reservation(kind, named, parts, pparts, where, got)
     made.wait()
     return made
 
@@ -603,15 +609,15 @@ async def acquire_all_async(
     """:func:`acquire_all` for the asyncio limiters; cancel-safe (a cancelled waiter
     leaves its queue, and what it held or was handed goes back)."""
     named, parts, pparts, where, waited = with_permits(
-        "acquire_all", checks, cost, timeout, kind=kind, wait=True
+        "acquire_all", checks, cost, timeout, "timeout", kind=kind
     )
 
     async def undo(got: Combined) -> None:
-        made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
+        made = reservation(kind, named, parts, pparts, where, got)
         await made.cancel()
 
     flow = combined.acquire_all(parts, pparts, waited)
     got = await run_async(flow, pparts[0][0], undo=undo)
-    made = reservation(kind.reservation, kind.holder, named, parts, pparts, where, got)
+    made = reservation(kind, named, parts, pparts, where, got)
     await made.wait()
     return made
