@@ -25,7 +25,8 @@ from redis.exceptions import (
     TimeoutError,
 )
 
-from bucketlimit import Decision
+import bucketlimit
+from bucketlimit import ConcurrencyLimiter, Decision, TokenBucketLimiter
 from bucketlimit.redis import (
     AsyncRedisTokenBucketLimiter,
     CorruptBucketError,
@@ -273,6 +274,71 @@ def test_each_policy_answers_a_permit_the_store_could_not_give(policy: Policy, e
     assert len(client.sent) == 1
     permit.release()
     assert len(client.sent) == 1, "a permit given without the store is given back in process"
+
+
+# allow_all over several limiters ----------------------------------------------------------
+
+
+def buckets_then(client: redis.Redis, policy: Policy, *, permit: bool) -> list[Any]:
+    """allow_all's checks: a bucket, then another bucket or a permit, all on ``policy``."""
+    first = limiter(client, policy, retry_interval=30, prefix="a:")
+    if permit:
+        second: Any = RedisConcurrencyLimiter(
+            client, 2, on_store_error=policy, processes=1, retry_interval=30, engine="lua"
+        )
+    else:
+        second = limiter(client, policy, retry_interval=30, prefix="b:")
+    return [(first, "k"), (second, "k")]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_allow_all_with_or_without_a_permit_is_one_script_and_one_policy(policy: Policy) -> None:
+    """Over two buckets, or a bucket and a permit, allow_all sends the general script
+    the same way (the permits' keys and arguments after the buckets'), and the
+    store down, answers by the policy the same way."""
+    sent, answers = [], []
+    for permit in (False, True):
+        client = Scripted(ConnectionError("Connection refused"))
+        checks = buckets_then(client, policy, permit=permit)
+        if policy == "raise":
+            with pytest.raises(ConnectionError):  # the client's own error
+                bucketlimit.allow_all(checks)
+        else:
+            got = bucketlimit.allow_all(checks)
+            answers.append(got if isinstance(got, Decision) else got.decision)
+        assert len(client.sent) == 1, "one script, not resent"
+        sent.append(client.sent[0])
+    buckets, with_permit = sent
+    assert buckets[:2] == with_permit[:2], "not EVALSHA of one script"
+    assert (buckets[2], with_permit[2]) == (4, 2 + 4), "not 2 keys a bucket, 4 a permit"
+    assert buckets[3:5] == with_permit[3:5], "not the first bucket's keys first"
+    bucket_args, permit_args = buckets[3 + 4 :], with_permit[3 + 6 :]
+    assert (bucket_args[0], permit_args[0]) == (b"", 1), "not the count of permits first"
+    assert bucket_args[1] == permit_args[1] == b"allow", "not the mode next"
+    assert bucket_args[2:11] == permit_args[2:11], "not the first bucket's 9 values next"
+    if policy == "raise":
+        return
+    alone, mixed = answers
+    assert (alone.degraded, mixed.degraded) == (True, True), "a policy's answer is degraded"
+    assert alone.allowed == mixed.allowed == (policy != "closed"), f"{policy} answered otherwise"
+    if policy != "local":  # "open" and "closed" answer as the first limiter
+        assert alone == mixed, f"{policy}: the first limiter's answer differs with a permit"
+
+
+def test_allow_all_counts_its_decision_once_per_check_as_in_process() -> None:
+    client = Scripted(ConnectionError("Connection refused"))
+    bucket = limiter(client, "open")
+    permits = RedisConcurrencyLimiter(client, 2, on_store_error="open", processes=1, engine="lua")
+    local_bucket, local_permits = TokenBucketLimiter(10, 10), ConcurrencyLimiter(2)
+    checks: list[Any] = [(bucket, "k"), (permits, "a"), (permits, "b")]
+    assert bucketlimit.allow_all(checks).decision.allowed
+    assert bucketlimit.allow_all([(local_bucket, "k"), (local_permits, "a"), (local_permits, "b")])
+    assert bucket.stats()["allowed"] == local_bucket.stats()["allowed"] == 1, "one bucket check"
+    assert permits.stats()["granted"] == local_permits.stats()["granted"] == 2, (
+        "two permit checks of one limiter: counted twice, as in process"
+    )
+    assert bucket.stats()["store_calls"] == 1, "the script counted once, on the first limiter"
+    assert permits.stats()["store_calls"] == 0, "the script counted on another limiter"
 
 
 # Cancellation and shared round trips (asyncio) ----------------------------------------------
