@@ -415,7 +415,7 @@ __all__ = [
 ]
 
 
-# -- permits among token buckets: the *_all calls ----------------------------------------
+# -- the *_all calls: token buckets, with or without permits among them -------------------
 
 
 def split(
