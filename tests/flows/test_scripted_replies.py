@@ -341,6 +341,20 @@ def test_allow_all_counts_its_decision_once_per_check_as_in_process() -> None:
     assert permits.stats()["store_calls"] == 0, "the script counted on another limiter"
 
 
+def test_allow_all_with_a_permit_without_the_store_never_grants_what_would_wait() -> None:
+    """Under "local", a bucket of 2 (1 a second) and a permit: the share's 2 tokens
+    are granted now, the third call is refused, not granted with a delay."""
+    client = Scripted(ConnectionError("Connection refused"))
+    options: dict[str, Any] = {"engine": "lua", "processes": 1, "retry_interval": 3600}
+    bucket = RedisTokenBucketLimiter(client, 2, 1, on_store_error="local", **options)
+    permits = RedisConcurrencyLimiter(client, 10, on_store_error="local", **options)
+    checks: list[Any] = [(bucket, "k"), (permits, "k")]
+    answers = [bucketlimit.allow_all(checks) for _ in range(3)]
+    assert [a.decision.allowed for a in answers] == [True, True, False]
+    assert [a.delay for a in answers[:2]] == [0.0, 0.0], "an allow granted with a wait"
+    assert answers[2].decision.degraded
+
+
 # Cancellation and shared round trips (asyncio) ----------------------------------------------
 
 

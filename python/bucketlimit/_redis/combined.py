@@ -315,7 +315,8 @@ def all_without_store(
             local = [(limiter, key, one) for limiter, key, _ in local]
         decision = _core.allow_all(local)  # the local limiters answer degraded
         return Combined(Reserved(decision, 0.0, lines, stored=False), [])
-    seconds = None if max_wait is None else max_wait / 1_000_000
+    # An allow never waits: without the store, as with it, what is not there now is refused.
+    seconds = 0.0 if mode is ALLOW else None if max_wait is None else max_wait / 1_000_000
     checks = local + permits_here
     reservation: _core.Reservation
     if wait and permits_here:
