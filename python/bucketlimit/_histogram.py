@@ -61,11 +61,15 @@ class Histogram:
     (:meth:`subscribe`) are told each observation as it comes: how an
     OpenTelemetry histogram, which cannot be read at collection time, records
     them. A listener that raises is logged, never raised into the caller.
+
+    ``wanted``: whether anyone reads it. A producer for which measuring is a cost
+    on every call (a Redis limiter timing each command) measures only while it is
+    (``wanted=False`` until :meth:`want`).
     """
 
-    __slots__ = ("__weakref__", "_counts", "_listeners", "_lock", "_sum", "bounds")
+    __slots__ = ("__weakref__", "_counts", "_listeners", "_lock", "_sum", "bounds", "wanted")
 
-    def __init__(self, bounds: Sequence[float]) -> None:
+    def __init__(self, bounds: Sequence[float], *, wanted: bool = True) -> None:
         bounds = tuple(float(b) for b in bounds)
         if not bounds or any(not math.isfinite(b) for b in bounds):
             raise ValueError(f"bounds must be finite numbers, got {bounds!r}")
@@ -76,7 +80,12 @@ class Histogram:
         self._sum = 0.0
         self._lock = threading.Lock()
         self._listeners: tuple[Callable[[float], object], ...] = ()
+        self.wanted = wanted
         fork_safe(self)
+
+    def want(self) -> None:
+        """Someone reads this histogram: its producer measures from now on."""
+        self.wanted = True
 
     def observe(self, seconds: float) -> None:
         """Counts one observation (a negative one as 0: a clock that stepped back)."""

@@ -411,6 +411,7 @@ class LimiterMetrics:
             if name in self._limiters and self._limiters[name] is not limiter:
                 raise ValueError(f"a limiter named {name!r} is measured already")
             self._limiters[name] = limiter
+        histograms_of(limiter)  # asked for once, a Redis limiter times its commands
         self._listen()
         return limiter
 

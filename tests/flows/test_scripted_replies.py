@@ -250,6 +250,21 @@ def test_a_corrupt_bucket_raises_under_raise() -> None:
         limiter(client).allow("k")
 
 
+def test_commands_are_timed_once_the_round_trip_histogram_is_asked_for() -> None:
+    """A limiter nobody measures spends nothing on timing its commands; from the
+    first ``histograms()`` call (``bucketlimit.metrics`` makes it when it adds the
+    limiter) each command is one observation."""
+    client = Scripted(ALLOWED, ALLOWED, ALLOWED)
+    bucket = limiter(client)
+    bucket.allow("k")
+    [(name, _, round_trips)] = bucket.histograms()
+    assert name == "store_round_trip_seconds"
+    assert round_trips.snapshot().count == 0, "timed before anyone asked"
+    bucket.allow("k")
+    bucket.allow("k")
+    assert round_trips.snapshot().count == 2, "not one observation per command"
+
+
 # Permits ----------------------------------------------------------------------------------
 
 

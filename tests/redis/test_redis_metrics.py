@@ -113,8 +113,9 @@ def test_redis_metrics_match_stats_with_one_store_up_and_one_down(
 def test_every_command_is_timed_once_sync_and_asyncio(
     redis_client: redis.Redis, redis_url: str
 ) -> None:
-    """``store_round_trip_seconds``: one observation per command sent, by the
-    blocking and the asyncio limiter, the token bucket and the concurrency limiter."""
+    """``store_round_trip_seconds``: one observation per command sent once the
+    limiter is measured, by the blocking and the asyncio limiter, the token bucket
+    and the concurrency limiter."""
     limiters = LimiterMetrics()
     tokens = limiters.add("tokens", RedisTokenBucketLimiter(redis_client, 5, 1, prefix="rt-t:"))
     permits = limiters.add("permits", RedisConcurrencyLimiter(redis_client, 2, prefix="rt-p:"))
@@ -123,14 +124,16 @@ def test_every_command_is_timed_once_sync_and_asyncio(
     with permits.acquire("k"):
         pass
 
-    async def asyncio_calls() -> AsyncRedisTokenBucketLimiter:
-        limiter = AsyncRedisTokenBucketLimiter.from_url(redis_url, 5, 1, prefix="rt-a:")
-        for _ in range(7):
-            await limiter.allow("k")
-        await limiter.aclose()
-        return limiter
+    tokens_async = limiters.add(
+        "tokens_async", AsyncRedisTokenBucketLimiter.from_url(redis_url, 5, 1, prefix="rt-a:")
+    )
 
-    tokens_async = limiters.add("tokens_async", asyncio.run(asyncio_calls()))
+    async def asyncio_calls() -> None:
+        for _ in range(7):
+            await tokens_async.allow("k")
+        await tokens_async.aclose()
+
+    asyncio.run(asyncio_calls())
     registry = CollectorRegistry()
     limiters.register_prometheus(registry)
     for name, limiter in limiters.items():

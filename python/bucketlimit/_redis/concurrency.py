@@ -241,7 +241,10 @@ class RedisConcurrency(Generic[C]):
     def histograms(self) -> list[tuple[str, dict[str, str], Histogram]]:
         """This object's histograms, ``(name, labels, histogram)``: the seconds each
         command took the store to answer (``store_round_trip_seconds``), which
-        ``bucketlimit.metrics`` exports (docs/metrics.md)."""
+        ``bucketlimit.metrics`` exports (docs/metrics.md). Commands are timed from
+        the first call of this method on (``metrics`` makes it when it adds the
+        limiter): a limiter nobody measures spends nothing on timing."""
+        self._state.round_trips.want()
         return [("store_round_trip_seconds", {}, self._state.round_trips)]
 
     def __repr__(self) -> str:

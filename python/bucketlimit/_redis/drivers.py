@@ -184,9 +184,9 @@ def finish(
 
 def send(state: Store, command: Command) -> Any:
     """``command`` sent on the state's client (connected on first use), timed into
-    ``state.round_trips`` (answered or failed). While it is on its way it is in
-    ``state.flying``, so that ``close()`` lets it land; once the
-    limiter is closed nothing is sent (a ``RuntimeError``). The command is added
+    ``state.round_trips`` (answered or failed) once something reads it. While it
+    is on its way it is in ``state.flying``, so that ``close()`` lets it land; once
+    the limiter is closed nothing is sent (a ``RuntimeError``). The command is added
     before ``closed`` is read: ``close()`` sets ``closed``, then waits for the set
     to empty, so no command slips between the two."""
     flying = state.flying
@@ -208,7 +208,8 @@ def send(state: Store, command: Command) -> Any:
             argv = with_time(argv, state.layout(argv[1]), state.time.micros())
         twin = module.twin(state, argv) if state.engine.module else None
         waited = 0.0
-        sent = time.perf_counter()
+        timed = state.round_trips.wanted  # timed once the histogram is read (histograms())
+        sent = time.perf_counter() if timed else 0.0
         try:
             while True:
                 try:
@@ -224,7 +225,8 @@ def send(state: Store, command: Command) -> Any:
                     without_module(state, twin, error)
                     twin = None
         finally:
-            state.round_trips.observe(time.perf_counter() - sent)
+            if timed:
+                state.round_trips.observe(time.perf_counter() - sent)
     finally:
         flying.discard(command)
 
@@ -264,7 +266,8 @@ async def send_async(state: Store, command: Command) -> Any:
                 state.time.read(await client.time(), before, time.monotonic_ns())
             argv = with_time(argv, state.layout(argv[1]), state.time.micros())
         twin = module.twin(state, argv) if state.engine.module else None
-        sent = time.perf_counter()
+        timed = state.round_trips.wanted  # timed once the histogram is read (histograms())
+        sent = time.perf_counter() if timed else 0.0
         try:
             if twin is not None:
                 try:
@@ -273,7 +276,8 @@ async def send_async(state: Store, command: Command) -> Any:
                     without_module(state, twin, error)
             return await _sent_on(client, command, call, argv)
         finally:
-            state.round_trips.observe(time.perf_counter() - sent)
+            if timed:
+                state.round_trips.observe(time.perf_counter() - sent)
     finally:
         flying.discard(command)
 

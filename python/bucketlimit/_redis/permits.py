@@ -290,7 +290,7 @@ class PermitState(StoreState):
         self.script: Script = GENERAL
         self.name = name
         self.counters = Counters()
-        self.round_trips = Histogram(ROUND_TRIP_BUCKETS)
+        self.round_trips = Histogram(ROUND_TRIP_BUCKETS, wanted=False)
         self.policy: Policy = policy
         self.retry_interval = retry_interval
         self.processes = Processes(processes)

@@ -427,7 +427,7 @@ class LimiterState(StoreState):
         self.leasing = leasing
         self.name = name
         self.counters = Counters()
-        self.round_trips = Histogram(ROUND_TRIP_BUCKETS)
+        self.round_trips = Histogram(ROUND_TRIP_BUCKETS, wanted=False)
         self.policy: Policy = policy
         self.retry_interval = retry_interval
         # Counted only where the count is used: the "local" share.
