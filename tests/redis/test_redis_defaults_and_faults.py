@@ -62,8 +62,8 @@ print(limiter.allow("k").degraded, flush=True)
 def test_a_store_that_is_down_is_loud_without_any_logging_configured(
     redis_server_factory: ServerFactory,
 ) -> None:
-    # Before: the package's NullHandler swallowed every record when the application
-    # configured no logging: a wrong REDIS_URL admitted with no line in any log.
+    # A NullHandler on the package would swallow every record when the application
+    # configures no logging: a wrong REDIS_URL would admit with no line in any log.
     port = free_port()
     with subprocess.Popen(
         [sys.executable, "-c", LOUD, f"redis://127.0.0.1:{port}/0"],
@@ -160,8 +160,8 @@ def cut_off(server: RedisServer, settle: bool) -> tuple[list[int], list[int]]:
 def test_without_the_store_each_process_admits_its_share_of_the_live_ones(
     redis_server_factory: ServerFactory,
 ) -> None:
-    # Before: each of 4 workers admitted the whole capacity during an outage, 160 of
-    # 40. Now the store counts the live processes while it is up.
+    # A worker that fell back to the whole capacity during an outage would let 4
+    # workers admit 160 of 40. The store counts the live processes while it is up.
     counted, admitted = cut_off(redis_server_factory.start(), settle=True)
     assert counted == [4, 4, 4, 4]
     assert admitted == [10, 10, 10, 10], "40 // 4 each: the limit, not four times it"
@@ -171,10 +171,10 @@ def test_without_the_store_each_process_admits_its_share_of_the_live_ones(
 def test_processes_cut_off_before_they_have_counted_each_other_admit_nothing(
     redis_server_factory: ServerFactory,
 ) -> None:
-    # Before: a process counted itself alone until its first heartbeat, 10 s after it
-    # was built, and then only those that beat before it: four workers cut off in
-    # their first seconds admitted 160 of 40; four started together read 3, 4, 1 and 2
-    # and admitted 83 of 40. Until the count has settled no share can be told, so
+    # A process that counted itself alone until its first heartbeat, 10 s after it is
+    # built, and then only those that beat before it, would let four workers cut off
+    # in their first seconds admit 160 of 40; four started together would read 3, 4, 1
+    # and 2 and admit 83 of 40. Until the count has settled no share can be told, so
     # "local" fails closed.
     counted, admitted = cut_off(redis_server_factory.start(), settle=False)
     assert counted == [1, 1, 1, 1], "the count is not known after one heartbeat"
@@ -221,6 +221,7 @@ def test_a_store_refusing_the_heartbeat_says_so_once(
     assert len(refused) == 1
     assert refused[0].levelname == "WARNING"
     assert "processes=N" in refused[0].getMessage()
+    assert "'local' refuses" in refused[0].getMessage(), "the WARNING says what 'local' does"
     assert limiter.processes == 1
     server.stop()
     answer = limiter.allow("k")
@@ -238,8 +239,8 @@ def test_a_store_refusing_the_heartbeat_says_so_once(
 def test_two_limits_without_a_prefix_never_read_each_others_buckets(
     redis_client: redis.Redis,
 ) -> None:
-    # Before: both had the prefix "bucketlimit:": after one request, the TPM limit
-    # refused a 500-token request, reading 3 of 10,000 left.
+    # With one prefix, "bucketlimit:", for both, one request would leave the TPM limit
+    # reading 3 of 10,000 left: it would refuse a 500-token request.
     requests = RedisTokenBucketLimiter(redis_client, 10, 10)
     tokens = RedisTokenBucketLimiter(redis_client, 10_000, 10_000, per=60)
     assert requests.prefix != tokens.prefix
@@ -248,8 +249,8 @@ def test_two_limits_without_a_prefix_never_read_each_others_buckets(
     answer = tokens.allow("10.0.0.1", 500)
     assert answer.allowed
     assert answer.remaining == 9_500
-    # A changed limit starts from a full bucket. Before: changing per under the same
-    # prefix read a half-full bucket as empty, 5,950 s from full.
+    # A changed limit starts from a full bucket. A changed per under the same prefix
+    # would read a half-full bucket as empty, 5,950 s from full.
     per_second = RedisTokenBucketLimiter(redis_client, 100, 1)
     assert per_second.allow("k", 50).remaining == 50
     per_minute = RedisTokenBucketLimiter(redis_client, 100, 1, per=60)
@@ -271,10 +272,10 @@ def test_an_explicit_prefix_keeps_one_bucket_across_limits(redis_client: redis.R
 
 @pytest.mark.timeout(60)
 def test_many_threads_making_the_first_calls_build_one_client(redis_url: str) -> None:
-    # Before: each thread built a client on the one shared pool and the losers'
-    # close() cut the winners' connections: ValueError (I/O on a closed file),
-    # degraded answers, 10-12 of 40 fresh limiters' breakers open with 32 threads.
-    # 20 limiters: 5 or 6 of them were broken before (10-12 of 40).
+    # If each thread built a client on the one shared pool, the losers' close()
+    # would cut the winners' connections: ValueError (I/O on a closed file), degraded
+    # answers, 10-12 of 40 fresh limiters' breakers open with 32 threads.
+    # 20 limiters: 5 or 6 of them would break (10-12 of 40).
     limiters = [
         RedisTokenBucketLimiter.from_url(redis_url, 10, 1, prefix=fresh()) for _ in range(20)
     ]
@@ -325,8 +326,8 @@ class Unplugged(redis.Redis):
 def test_a_reservation_granted_without_the_store_gives_back_nowhere_else(
     redis_server: RedisServer, policy: Any
 ) -> None:
-    # Before: under "open" a reservation granted during an outage was given back to
-    # Redis when it returned: cancel() added 4 tokens Redis never spent, settle(1) 3.
+    # A reservation granted during an outage must not be given back to Redis when it
+    # returns: under "open", cancel() would add 4 tokens Redis never spent, settle(1) 3.
     admin = redis_server.client()
     client = Unplugged(port=redis_server.port)
     limiter = RedisTokenBucketLimiter(
@@ -351,8 +352,8 @@ def test_a_reservation_granted_without_the_store_gives_back_nowhere_else(
 def test_a_web_reservation_answered_without_the_store_settles_nowhere_else(
     redis_server: RedisServer,
 ) -> None:
-    # Before: the web layer's settle after a degraded allow refunded Redis: 3 tokens
-    # Redis never spent, after every outage, in the documented LLM pattern.
+    # The web layer's settle after a degraded allow must not refund Redis: that would
+    # be 3 tokens Redis never spent, after every outage, in the documented LLM pattern.
     admin = redis_server.client()
     client = Unplugged(port=redis_server.port)
     limiter = RedisTokenBucketLimiter(client, 10, 0, prefix=fresh(), retry_interval=0, processes=1)
@@ -410,9 +411,9 @@ def keys_by_node(cluster: Any, limiter: Any, count: int) -> dict[int, list[str]]
 def test_a_hung_node_holds_no_other_nodes_calls_asyncio(
     redis_server_factory: ServerFactory,
 ) -> None:
-    # Before: one flight for the whole cluster: with one primary hung, the healthy
-    # keys' p99 was 253-312 ms and their max about 560 ms (timeout 0.25 s): every
-    # batch waited for the hung node's probe.
+    # With one flight for the whole cluster and one primary hung, every batch would
+    # wait for the hung node's probe: the healthy keys' p99 at 253-312 ms and their
+    # max about 560 ms (timeout 0.25 s).
     cluster = redis_server_factory.cluster()
 
     async def main() -> tuple[bool, list[bool]]:
@@ -485,8 +486,8 @@ def test_a_hung_node_holds_no_other_nodes_calls_group_commit(
 def test_batches_in_a_migrating_slot_are_split_not_degraded(
     redis_server_factory: ServerFactory,
 ) -> None:
-    # Before: a batch naming several keys of a migrating slot got TRYAGAIN, was sent
-    # once more, then degraded whole: 28 degraded answers, calls up to 0.82 s.
+    # A batch naming several keys of a migrating slot gets TRYAGAIN. Sent once more,
+    # then degraded whole, it would give 28 degraded answers and calls up to 0.82 s.
     from bucketlimit._redis.keys import key_slot
 
     cluster = redis_server_factory.cluster()
@@ -571,8 +572,8 @@ def test_an_allow_of_a_migrated_key_is_answered_though_the_client_loses_its_aski
     # redis-py's and valkey-py's asyncio cluster clients send the ASKING of an ASK
     # redirection on one pooled connection of the target and the command on another
     # (its oldest free one): with two free there, the target answers MOVED, the source
-    # ASK again, until "TTL exhausted.". Before drivers.follow_asks, this allow went
-    # twice and was answered degraded from the local share; the slot here is held
+    # ASK again, until "TTL exhausted.". Without drivers.follow_asks, this allow would
+    # go twice and be answered degraded from the local share; the slot here is held
     # mid-migration. (reinitialize_steps=0, as from_url sets it: with the default, the
     # clients' reinitialisations during the storm leave sockets unclosed.)
     cluster = redis_server_factory.cluster()
@@ -658,8 +659,8 @@ def waiting_in_the_package(thread: threading.Thread) -> bool:
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill")
 @pytest.mark.timeout(60)
 def test_the_senders_interruption_is_its_own(redis_server: RedisServer) -> None:
-    # Before: a KeyboardInterrupt in the thread sending a shared round trip was raised
-    # in every other thread of that batch, whose allows had been charged.
+    # A KeyboardInterrupt in the thread sending a shared round trip must not be raised
+    # in the other threads of that batch, whose allows have been charged.
     client = HoldingClient(host="127.0.0.1", port=redis_server.port)
     limiter = RedisTokenBucketLimiter(client, 100, 0, prefix=fresh(), batching=True)
     limiter.check()  # the script is loaded: the first EVALSHA is the lone allow
@@ -723,10 +724,10 @@ def test_a_rejected_settle_leaves_the_reservation_usable(redis_client: redis.Red
     with pytest.raises(ValueError, match=r"at most 2\*\*64 - 1"):
         held.settle(2 + 2**64)
     assert limiter.peek("k").remaining == 7
-    held.cancel()  # before: the rejected settle had used it up, and this gave nothing
+    held.cancel()  # not used up by the rejected settle: its 2 tokens come back
     assert limiter.peek("k").remaining == 9
     with pytest.raises(ValueError, match=r"the cost of a charge must be at most 2\*\*64 - 1"):
-        limiter.charge("k", 2**64)  # before: "exceeds capacity 18446744073709551615"
+        limiter.charge("k", 2**64)  # not "exceeds capacity ...": it is beyond the range
 
 
 # -- the breaker_open gauge on a cluster reads every node's breaker ----------
@@ -734,8 +735,8 @@ def test_a_rejected_settle_leaves_the_reservation_usable(redis_client: redis.Red
 
 @pytest.mark.timeout(60)
 def test_the_breaker_gauge_sees_one_shards_outage(redis_server_factory: ServerFactory) -> None:
-    # Before: metrics read limiter._breaker, the shared one, which a cluster's node
-    # outage never opens: the gauge stayed 0 while a shard was down.
+    # A gauge reading only limiter._breaker, the shared one, which a cluster's node
+    # outage never opens, would stay 0 while a shard is down.
     cluster = redis_server_factory.cluster()
     limiter = RedisTokenBucketLimiter.from_url(
         cluster.url, 10, 1, cluster=True, timeout=0.5, retry_interval=60, prefix=fresh()

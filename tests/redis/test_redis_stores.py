@@ -42,12 +42,13 @@ def without_lua(valkey_server_factory: ServerFactory) -> str:
 def test_a_store_without_lua_is_a_configuration_error_under_every_policy(
     without_lua: str, policy: str
 ) -> None:
-    # Before: check() and allow() raised redis-py's raw ResponseError ("Could not find
-    # scripting engine 'lua'"): not a ConfigurationError, not the failure policy.
+    # check() and allow() must not raise redis-py's raw ResponseError ("Could not find
+    # scripting engine 'lua'"): it is not a ConfigurationError, nor the failure policy.
     limiter = RedisTokenBucketLimiter.from_url(without_lua, 10, 1, on_store_error=policy)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="runs no Lua scripts") as checked:
         limiter.check()
     assert "scripting engine" in str(checked.value.__cause__)
+    assert "module_path()" in str(checked.value), "the module serves a store without Lua"
     for _ in range(2):  # every call, not only the first
         with pytest.raises(ConfigurationError, match="runs no Lua scripts"):
             limiter.allow("k")
@@ -72,8 +73,8 @@ def test_a_store_without_lua_is_a_configuration_error_under_every_policy(
 def test_check_says_a_concurrency_limiter_needs_its_channels(
     redis_server_factory: ServerFactory,
 ) -> None:
-    # Before: an ACL without channels passed check(), and the first hand-off of a
-    # released slot raised ConfigurationError on the script's PUBLISH.
+    # An ACL without channels must fail check(): otherwise the first hand-off of a
+    # released slot raises ConfigurationError on the script's PUBLISH.
     server = redis_server_factory.start()
     with server.client() as admin:
         admin.acl_setuser(
@@ -108,8 +109,8 @@ def without_time(redis_server_factory: ServerFactory) -> str:
 def test_a_store_refusing_time_is_served_with_the_time_sent(
     without_time: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Before: every allow() raised ConfigurationError ("the Redis user needs ...
-    # TIME"): the Redis limiters could not be used at all on such a store.
+    # allow() must not raise ConfigurationError ("the Redis user needs ... TIME") on
+    # every call: the Redis limiters would be of no use at all on such a store.
     caplog.set_level(logging.INFO, logger="bucketlimit")
     limiter = RedisTokenBucketLimiter.from_url(without_time, 3, 0, processes=1)
     assert limiter.time_source == "script"

@@ -270,8 +270,9 @@ def configuration_error(error: BaseException) -> ConfigurationError:
     elif str(error).startswith(_NO_SCRIPTING):
         hint = (
             "this store runs no Lua scripts, which bucketlimit's Redis limiters need: "
-            "load its Lua engine (Valkey 9: `loadmodule` the lua module, or MODULE LOAD), "
-            "or use a store that runs EVAL and EVALSHA"
+            "load its Lua engine (Valkey 9: `loadmodule` the lua module, or MODULE LOAD) "
+            "or bucketlimit's module (bucketlimit.redis.module_path(), used by "
+            "engine='auto' or 'module'), or use a store that runs EVAL and EVALSHA"
         )
     else:
         hint = f"the script needs Redis {MIN_VERSION_TEXT} or later, with EVALSHA and EVAL"

@@ -373,9 +373,10 @@ def heartbeat(state: Store) -> Flow[int]:
                 state.processes.refused = True
                 logger.warning(
                     "%s: the store refused the heartbeat that counts the processes "
-                    "sharing the limit (%s): on_store_error='local' will answer as if "
-                    "this process were alone; pass processes=N, or allow the user "
-                    "ZADD, ZREMRANGEBYSCORE, ZCARD and PEXPIRE on the prefix's keys (%s)",
+                    "sharing the limit (%s): without the store, on_store_error='local' "
+                    "refuses, as no share can be told; pass processes=N, or let the user "
+                    "run the heartbeat script (Lua, with ZADD, ZREMRANGEBYSCORE, ZCARD "
+                    "and PEXPIRE on the prefix's keys) (%s)",
                     state.name,
                     error,
                     "docs/redis.md, 'How many processes'",
