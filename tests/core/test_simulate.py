@@ -480,7 +480,7 @@ def test_plot_legends_stand_beside_the_lines(shared: bool, compare: str | None) 
 
 
 def test_a_shared_bucket_is_one_line_without_a_legend() -> None:
-    # Before, --shared drew the one bucket once per client, each labelled "shared".
+    # --shared draws the one bucket once, not once per client each labelled "shared".
     drawing, _ = plotted(Settings(10, 2, 1, 1, "burst", 30, clients=8, shared=True))
     level = drawing.axes[0]
     assert len(level.get_lines()) == 2  # the bucket's level and the capacity line

@@ -366,8 +366,8 @@ def test_a_call_over_two_slots_is_refused(redis_server_factory: ServerFactory) -
 
 
 def test_keys_of_any_bytes_reach_the_module(redis_server_factory: ServerFactory) -> None:
-    """A key with NUL bytes is a key like any other (it once aborted the server: the
-    module built its name as a C string)."""
+    """A key with NUL bytes is a key like any other (a module that built its name as a
+    C string would abort the server)."""
     server = redis_server_factory.start(module=True)
     client = server.client()
     limiter = RedisTokenBucketLimiter(client, 2, 1, ManualClock(), engine="module")

@@ -123,8 +123,8 @@ def run_sync(limiter: RedisTokenBucketLimiter, key: str, seconds: float, tally: 
 def test_a_whole_cluster_down_or_hung_goes_to_the_policy(
     redis_server_factory: ServerFactory, fault: str
 ) -> None:
-    # Before: every call raised ConfigurationError (RedisClusterException, "Redis
-    # Cluster cannot be connected", was read as a configuration error).
+    # No call may raise ConfigurationError: RedisClusterException ("Redis Cluster
+    # cannot be connected") is an outage, not a configuration error.
     cluster = redis_server_factory.cluster()
     key = key_on_node(1)
     with closing(
@@ -243,7 +243,8 @@ async def run_async(
 def test_an_async_limiter_with_a_whole_cluster_down_or_hung(
     redis_server_factory: ServerFactory, fault: str
 ) -> None:
-    # Before: 19 degraded answers, then ConfigurationError on every probe.
+    # Every answer comes from the policy, probes included: not 19 degraded answers
+    # and then ConfigurationError on every probe.
     cluster = redis_server_factory.cluster()
     key = key_on_node(2)
     before, during, after = Tally(), Tally(), Tally()
@@ -292,8 +293,8 @@ def test_an_async_limiter_with_a_whole_cluster_down_or_hung(
 
 
 def test_from_url_cluster_connects_on_first_use() -> None:
-    # Before: redis-py's RedisCluster asked for CLUSTER SLOTS in the constructor, so
-    # an app building its limiters at import failed to start during an outage.
+    # redis-py's RedisCluster asks for CLUSTER SLOTS when built: if from_url built it
+    # at once, an app building its limiters at import would fail during an outage.
     url = url_of(free_port())  # nothing listens there
     lazy = client_from_url(url, cluster=True)  # what from_url builds its limiter on
     limiter = RedisTokenBucketLimiter(lazy, 5, 1, on_store_error="open")
@@ -330,8 +331,8 @@ KILLED_TIMEOUT = 5.0
 
 @pytest.mark.timeout(60)
 def test_one_nodes_outage_degrades_only_its_keys(redis_server_factory: ServerFactory) -> None:
-    # Before: one breaker per limiter, so with one master of three down, keys on the
-    # two healthy masters were degraded too.
+    # With one breaker per limiter, one master of three down would degrade the keys
+    # on the two healthy masters too.
     cluster = redis_server_factory.cluster()
     keys = [key_on_node(node) for node in range(3)]
     with closing(
@@ -393,8 +394,8 @@ BURST = 150  # tasks at once: more than redis-py's pool of 100
 
 
 def test_a_burst_larger_than_the_pool_waits_for_a_connection(redis_url: str) -> None:
-    # Before: from_url's pool held 100; the other 50 calls got MaxConnectionsError,
-    # answered degraded, and the breaker opened (under "closed": 50 refusals).
+    # A pool of 100 that raised when full would give the other 50 MaxConnectionsError,
+    # answered degraded, and open the breaker (under "closed": 50 refusals).
     async def main() -> tuple[list[Decision], RedisLimiterStats]:
         # timeout=2: the 100 connections open at once, and on a loaded machine
         # some take longer than the default 0.25 s to connect; waiting for a free
@@ -499,8 +500,8 @@ def test_an_exhausted_blocking_pool_of_your_own_is_not_an_outage(redis_url: str)
 def test_a_demoted_primary_is_one_outage_not_a_flapping_breaker(
     redis_server_factory: ServerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Before: a refusal (which writes nothing) succeeded on the demoted primary and
-    # closed the breaker; the next allow reopened it: one outage, many openings.
+    # A refusal (which writes nothing) succeeds on the demoted primary. If it closed
+    # the breaker, the next allow would reopen it: one outage, many openings.
     caplog.set_level(logging.INFO, logger="bucketlimit")
     primary = redis_server_factory.start(extra_args=["--repl-diskless-sync-delay", "0"])
     demoted = redis_server_factory.start()
@@ -556,8 +557,8 @@ class TenantId(str):
 
 
 def test_a_str_subclass_is_charged_by_its_content(redis_client: redis.Redis) -> None:
-    # Before: Keys called the key's own translate(), so TenantId("alice") charged
-    # mallory's bucket in Redis while the in-process limiter charged alice's.
+    # If Keys called the key's own translate(), TenantId("alice") would charge
+    # mallory's bucket in Redis while the in-process limiter charges alice's.
     limiter = RedisTokenBucketLimiter(redis_client, 3, 0, prefix="bucketlimit:", processes=1)
     local = TokenBucketLimiter(3, 0)
     assert limiter.allow(TenantId("alice")).remaining == local.allow(TenantId("alice")).remaining
@@ -583,8 +584,8 @@ def test_a_hash_tag_of_a_str_subclass_is_its_content(redis_client: redis.Redis) 
 
 @pytest.mark.parametrize("path", ["breaker open", "refusal cache"])
 def test_an_async_answer_without_io_still_lets_the_loop_run(redis_url: str, path: str) -> None:
-    # Before: a task looping on a degraded (or cached) answer never awaited anything
-    # that suspends, so no other task ran until it was done.
+    # A task looping on a degraded (or cached) answer must still await something that
+    # suspends: otherwise no other task runs until it is done.
     calls = 200
 
     async def main() -> int:
@@ -643,10 +644,10 @@ MIGRATIONS = 4  # back and forth, of one slot under load
 def test_an_async_cluster_limiter_through_slot_migrations(
     redis_server_factory: ServerFactory,
 ) -> None:
-    # Before: with 8 tasks, 97 % of answers degraded, the breaker opened 20 times,
-    # AttributeError reached callers, and 13 calls were charged in Redis *and*
-    # answered from the fallback. from_url's client now keeps its connections on
-    # MOVED (reinitialize_steps=0) and a redirect storm is sent once more.
+    # With 8 tasks, a limiter that mishandles the migrations would degrade 97 % of
+    # answers, open the breaker 20 times, let AttributeError reach callers, and charge
+    # 13 calls in Redis *and* answer them from the fallback. from_url's client keeps
+    # its connections on MOVED (reinitialize_steps=0); a redirect storm is sent once more.
     cluster = redis_server_factory.cluster()
     tag = "tenant"
     slot = key_slot(f"bucketlimit:{{{tag}}}:x".encode())

@@ -48,10 +48,10 @@ def spent(url: str, prefix: str) -> int:
 def test_close_lets_the_other_threads_calls_land_and_then_refuses_new_ones(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture, lease: bool
 ) -> None:
-    # Before: close() cut the commands of the other threads in flight on a healthy
-    # store: 6 to 8 of 8 threads got ValueError("I/O operation on closed file.") and
-    # others answered from the local share, logging "the store failed"; admitted plus
-    # what the bucket still held came to 105,665-200,000 of 100,000.
+    # A close() that cut the commands of the other threads in flight on a healthy
+    # store would give 6 to 8 of 8 threads ValueError("I/O operation on closed file.")
+    # and have others answer from the local share, logging "the store failed"; admitted
+    # plus what the bucket still held would come to 105,665-200,000 of 100,000.
     caplog.set_level(logging.INFO, logger="bucketlimit")
     prefix = f"close-{lease}:"
     policy: Any = LeasePolicy(period=0.05, max_wait=0.05) if lease else False
@@ -101,8 +101,8 @@ def test_close_lets_the_other_threads_calls_land_and_then_refuses_new_ones(
 def test_aclose_lets_the_other_tasks_calls_land_and_then_refuses_new_ones(
     redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Before: the asyncio class answered the tasks in flight from the local share
-    # ("the store failed") once aclose() had closed the client under them.
+    # aclose() must not close the client under the tasks in flight: they would be
+    # answered from the local share ("the store failed").
     caplog.set_level(logging.INFO, logger="bucketlimit")
 
     async def main() -> tuple[int, list[BaseException], int]:
@@ -162,8 +162,8 @@ def test_a_limiter_on_a_client_of_yours_goes_on_after_close(redis_client: redis.
 def test_fencing_tokens_never_repeat_on_a_clock_when_the_store_lost_the_key(
     redis_client: redis.Redis,
 ) -> None:
-    # Before: on a ManualClock the counter of a lost key restarted from the clock's
-    # time, so the same three tokens were granted again after the key was deleted.
+    # On a ManualClock, a counter of a lost key that restarted from the clock's time
+    # would grant the same three tokens again after the key is deleted.
     clock = ManualClock()
     limiter = RedisConcurrencyLimiter(redis_client, 3, ttl=60, clock=clock, processes=1)
     first = [limiter.try_acquire("k").token for _ in range(3)]
@@ -178,10 +178,10 @@ def test_fencing_tokens_never_repeat_on_a_clock_when_the_store_lost_the_key(
 
 
 def test_asyncio_waiters_filling_their_pool_never_pass_the_limit(redis_server: RedisServer) -> None:
-    # Before: 120 tasks on a plain redis.asyncio.Redis (a pool of 100 connections that
-    # raises MaxConnectionsError when full) were answered "without the store" from
-    # the local share while the store's permits were held: 5 in flight for a limit
-    # of 3, on a healthy server. Now a call waits for a free connection.
+    # 120 tasks on a plain redis.asyncio.Redis (a pool of 100 connections that raises
+    # MaxConnectionsError when full) must not be answered "without the store" from the
+    # local share while the store's permits are held: 5 in flight for a limit of 3, on
+    # a healthy server. A call waits for a free connection.
     async def main() -> tuple[int, int, int]:
         client = redis.asyncio.Redis(port=redis_server.port)
         assert client.connection_pool.max_connections == 100  # redis-py's default
@@ -269,10 +269,10 @@ class SilentWakeups:
 def test_a_waiter_whose_wakeups_go_silent_is_still_handed_a_released_slot(
     redis_server: RedisServer,
 ) -> None:
-    # Before: with its pub/sub connection black-holed (open, delivering nothing) a
-    # waiter was never woken: the released slot sat idle until the old holder's ttl.
-    # Now the listener PINGs a silent subscription, takes an unanswered PING as a
-    # lost subscription, subscribes again and has its waiters ask the store.
+    # With its pub/sub connection black-holed (open, delivering nothing) a waiter is
+    # never woken by a message: the released slot would sit idle until the old
+    # holder's ttl. The listener PINGs a silent subscription, takes an unanswered PING
+    # as a lost subscription, subscribes again and has its waiters ask the store.
     with TcpProxy(redis_server.port) as proxy:
         scene = SilentWakeups(redis_server, proxy, "silent-thread:")
         limiter = RedisConcurrencyLimiter.from_url(
@@ -345,11 +345,11 @@ def test_an_asyncio_waiter_whose_wakeups_go_silent_is_still_handed_a_released_sl
 def test_a_cluster_limiter_built_while_slot_zeros_master_is_down_degrades_only_its_keys(
     redis_server_factory: ServerFactory,
 ) -> None:
-    # Before: the clients start by asking COMMAND of the master of slot 0; with it
-    # down and retries off every key was degraded (48 of 48 answers), healthy
-    # masters included, and the asyncio class opened every node's breaker with the
-    # dead node's error. docs/redis.md: "with one master of three down only the keys
-    # of its slots are degraded".
+    # The clients start by asking COMMAND of the master of slot 0; with it down and
+    # retries off, every key could be degraded (48 of 48 answers), healthy masters
+    # included, and the asyncio class could open every node's breaker with the dead
+    # node's error. docs/redis.md: "with one master of three down only the keys of
+    # its slots are degraded".
     cluster = redis_server_factory.cluster()
     cluster.servers[0].kill()  # the master of slots 0-5460
     healthy = cluster.servers[1].url.replace("redis://", "redis+cluster://")
@@ -388,11 +388,11 @@ SCRIPTS = ("evalsha", "eval")
 def test_a_batch_in_a_migrating_slot_is_refused_once_then_split(
     redis_server_factory: ServerFactory, asyncio_client: bool
 ) -> None:
-    # Before: a batch whose keys a migration had split between two nodes got TRYAGAIN,
-    # and the cluster client sent it again and again (16 times, sleeping between) before
-    # giving up and splitting it: batched allows took 830-1,435 ms with a 0.5 s
-    # timeout. Now a batch goes to its node once, without the client's redirections,
-    # and the first TRYAGAIN, ASK or MOVED splits it.
+    # A batch whose keys a migration has split between two nodes gets TRYAGAIN. Left to
+    # the cluster client, it would be sent again and again (16 times, sleeping between)
+    # before being split: batched allows would take 830-1,435 ms with a 0.5 s timeout.
+    # A batch goes to its node once, without the client's redirections, and the first
+    # TRYAGAIN, ASK or MOVED splits it.
     cluster = redis_server_factory.cluster()
     keys = [f"user-{i}" for i in range(4)]
     options: dict[str, Any] = {
@@ -434,9 +434,10 @@ def test_a_batch_in_a_migrating_slot_is_refused_once_then_split(
     assert not any(a.degraded for a in answers)
     if not asyncio_client:
         # One refusal for the batch, and at most one ASK for each allow sent alone
-        # (the client follows it); before: 35. (The asyncio cluster clients lose their
-        # ASKING among pooled connections and bounce an allow sent alone up to 16
-        # times before the driver follows the ASK itself: drivers.follow_asks.)
+        # (the client follows it), not the 35 of a batch left to the client's retries.
+        # (The asyncio cluster clients lose their ASKING among pooled connections and
+        # bounce an allow sent alone up to 16 times before the driver follows the ASK
+        # itself: drivers.follow_asks.)
         assert refused <= 1 + len(keys), f"{refused} scripts refused for a batch of {len(keys)}"
 
 
@@ -446,9 +447,9 @@ def test_a_batch_in_a_migrating_slot_is_refused_once_then_split(
 def test_a_lease_taken_from_a_bucket_holding_part_of_a_token_waits_no_time(
     redis_client: redis.Redis,
 ) -> None:
-    # Before: a lease granted by the waiting branch (the bucket held less than half
-    # of what the lease wanted) that left part of a token answered a negative delay,
-    # and allow() raised ValueError('retry_after must be >= 0 ... got -9e-06').
+    # A lease granted by the waiting branch (the bucket holds less than half of what
+    # the lease wants) that leaves part of a token must not answer a negative delay:
+    # allow() would raise ValueError('retry_after must be >= 0 ... got -9e-06').
     clock = ManualClock(1000.0)
     options: dict[str, Any] = {"prefix": "partial:", "processes": 1}
     plain = RedisTokenBucketLimiter(redis_client, 100, 10, clock, **options)
