@@ -109,6 +109,8 @@ def gateway_stack(shape: Shape, redis_url: str, folder: Path) -> Iterator[Stack]
         sys.executable, "-m", "uvicorn", "tests.upstream.provider:app",
         "--host", "127.0.0.1", "--port", str(provider_port),
         "--log-level", "warning", "--no-access-log",
+        # A generation a dropped client left running holds a graceful shutdown open.
+        "--timeout-graceful-shutdown", "1",
     ]  # fmt: skip
     provider_env = {
         "PROVIDER_TOKENS": str(shape.provider_tokens),
