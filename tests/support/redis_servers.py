@@ -538,8 +538,8 @@ class RedisClusterNodes:
                 command(client, "CONFIG", "SET", "cluster-node-timeout", FORMING_NODE_TIMEOUT_MS)
             # Slots split as redis-cli --cluster create does, then every node meets every
             # other: met only by the first, the others learn of each other by gossip, which
-            # on a loaded machine once took more than READY_TIMEOUT (a CI run: one node
-            # still knew 2 of the 3 after 20 s).
+            # on a loaded machine can take more than READY_TIMEOUT (one node still
+            # knowing 2 of the 3 after 20 s).
             bounds = [0, 5461, 10923, CLUSTER_SLOTS]
             for i, client in enumerate(clients):
                 command(client, "CLUSTER", "ADDSLOTS", *range(bounds[i], bounds[i + 1]))

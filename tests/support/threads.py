@@ -54,8 +54,8 @@ def interrupting_main() -> Iterator[Callable[[], None]]:
     sending it again until the main thread handled it. CPython runs a signal's handler
     between bytecodes, so a SIGINT that lands just before the main thread blocks in a
     wait (after its last check, before the system call) is handled only when that wait
-    ends: a test that sent one SIGINT waited out its 10 s timeouts about once in eight
-    runs on a loaded machine. Only the first SIGINT raises; the rest do nothing."""
+    ends: one SIGINT can leave a test waiting out its 10 s timeouts on a loaded
+    machine. Only the first SIGINT raises; the rest do nothing."""
     raised = threading.Event()
 
     def once(signum: int, frame: FrameType | None) -> None:

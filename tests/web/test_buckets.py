@@ -1,6 +1,6 @@
 """One set of buckets per (route or limit name, limit), the same in memory and in
 Redis: two routes with the same limit string each admit the limit (slowapi's
-``/login`` 5 and ``/signup`` 5, where one Redis bucket used to serve both), one
+``/login`` 5 and ``/signup`` 5, never one Redis bucket for both), one
 limit on several routes and one shared ``scope`` share, and the names are the
 same in every process (a second app built from the same code shares the first's
 Redis buckets, as a second worker does)."""
